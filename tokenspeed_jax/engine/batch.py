@@ -1,0 +1,71 @@
+"""The contract between the scheduler and the model runner: what one engine step asks for.
+
+The scheduler (pure Python, host side) decides which requests run in a step and how many of their
+tokens; the model runner turns that into device work and returns one sampled token per request that
+asked for one. Invariants:
+
+* ``StepRequest.token_ids`` are the tokens whose K/V this step writes, at positions
+  ``start_pos .. start_pos + len(token_ids) - 1``; everything before ``start_pos`` is already in
+  the KV pages listed by ``page_table`` (prefix-cache hits and earlier chunks included).
+* ``page_table`` covers at least ``start_pos + len(token_ids)`` positions: page ``i`` holds
+  positions ``i * page_size .. (i + 1) * page_size - 1``. Page ids are indices into the runner's
+  paged KV cache; the scheduler owns their allocation, the runner only reads and writes them.
+* ``sample`` is true when the step ends on the request's last known token (a decode step, or the
+  last chunk of a prompt): the runner samples exactly one token for it, in the order of ``requests``.
+* ``output_token_ids`` are the tokens generated so far (for penalties); the runner never mutates
+  any field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tokenspeed_jax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class StepRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: np.ndarray  # int32 [n], n >= 1
+    start_pos: int
+    page_table: np.ndarray  # int32 [num_pages]
+    sample: bool
+    params: SamplingParams
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """The requests of one step, in scheduler order."""
+
+    requests: list[StepRequest]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(r.num_tokens == 1 and r.sample for r in self.requests)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One entry per request with ``sample`` set, in the order of the batch."""
+
+    token_ids: np.ndarray  # int32 [num_sampled]
+    logprobs: np.ndarray  # float32 [num_sampled]: log-probability of the sampled token
+    top_token_ids: np.ndarray | None = None  # int32 [num_sampled, k] when top_logprobs asked
+    top_logprobs: np.ndarray | None = None  # float32 [num_sampled, k]
