@@ -1,0 +1,19 @@
+"""What ``LLM.generate`` returns: one finished completion per prompt (per sample when n > 1).
+
+Invariants: ``token_ids`` are the generated tokens only (the prompt is in ``prompt_token_ids``);
+a stop token that ended the output is the last entry of ``token_ids`` but never part of ``text``;
+a stop string is never part of ``text``; ``finish_reason`` is ``"stop"`` or ``"length"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float] | None = None  # log-probability of each generated token
