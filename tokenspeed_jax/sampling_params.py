@@ -1,13 +1,15 @@
 """SamplingParams: how one request picks its tokens.
 
 Invariants: a params object is validated once, at construction, with errors that name the field
-and the value; ``temperature == 0`` means greedy and ignores every other sampling knob; a given
-``seed`` makes the sampled tokens reproducible for the same prompt and model.
+and the value; ``temperature == 0`` means greedy: the argmax after the penalties (as HF and vLLM
+do), ignoring top_p, top_k, min_p and seed; a given ``seed`` makes the sampled tokens reproducible
+for the same prompt and model, whatever batch they share.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,7 @@ class SamplingParams:
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(self.stop), f"stop strings must be non-empty, got {self.stop!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -56,3 +59,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def with_random_seed(self) -> SamplingParams:
+        """These params with a seed: their own, or a random one drawn now (once per request)."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=secrets.randbits(63))

@@ -1,0 +1,164 @@
+"""graph/ on plain JAX functions: compiled replay == eager, shared executables, donation, the
+compile guard, fatal start-up failures, plan validation, and the docs example."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenspeed_jax.graph import (
+    Break,
+    Call,
+    CompileError,
+    CompileGuard,
+    Plan,
+    PlanCompiler,
+    RuntimeCompileError,
+    Segment,
+    run_eager,
+)
+
+WIDTH = 8
+BUCKETS = (16, 32)
+
+
+def block(weight, x):
+    return x + jnp.tanh(x @ weight)
+
+
+def scale_rows(params, meta, x):  # a break: rows scaled by host-provided live factors
+    return x * meta["factor"][:, None]
+
+
+BLOCK = Segment("block", block, ("x",), ("x",), donate=("x",))
+SCALE = Break("scale", scale_rows, ("x",), ("x",), donate=("x",))
+WEIGHTS = [jnp.asarray(np.random.default_rng(i).normal(size=(WIDTH, WIDTH)) / WIDTH, jnp.float32)
+           for i in range(3)]
+PLAN = Plan([Call(BLOCK, WEIGHTS[0]), Call(SCALE), Call(BLOCK, WEIGHTS[1]),
+             Call(BLOCK, WEIGHTS[2])], ("x",), ("x",))
+
+
+def compile_plan(plan=PLAN, buckets=BUCKETS):
+    compiler = PlanCompiler(progress=False)
+    for size in buckets:
+        compiler.add(f"rows={size}", plan, {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)},
+                     {"scale": {"factor": jax.ShapeDtypeStruct((size,), jnp.float32)}})
+    return compiler.compile_all()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return compile_plan()
+
+
+def numpy_reference(x, factor):
+    """The plan's math in numpy, independent of graph/."""
+    w = [np.asarray(a, np.float64) for a in WEIGHTS]
+    x = x.astype(np.float64)
+    x = x + np.tanh(x @ w[0])
+    x = x * factor[:, None]
+    for weight in w[1:]:
+        x = x + np.tanh(x @ weight)
+    return x
+
+
+@pytest.mark.parametrize("size", BUCKETS)
+def test_compiled_matches_eager_and_numpy_in_every_bucket(compiled, size):
+    plans, _ = compiled
+    rng = np.random.default_rng(size)
+    x = rng.normal(size=(size, WIDTH)).astype(np.float32)
+    factor = rng.uniform(0.5, 2.0, size).astype(np.float32)
+    out = plans[f"rows={size}"].run({"x": jax.device_put(x)}, {"scale": {"factor": factor}})
+    eager = run_eager(PLAN, {"x": jnp.asarray(x)}, {"scale": {"factor": jnp.asarray(factor)}})
+    np.testing.assert_allclose(np.asarray(out["x"]), np.asarray(eager["x"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out["x"]), numpy_reference(x, factor), rtol=1e-4,
+                               atol=1e-5)
+
+
+def test_identical_calls_share_one_executable(compiled):
+    plans, summary = compiled
+    # per bucket: one "block" executable for three calls, one "scale"
+    assert summary.num_executables == 2 * len(BUCKETS)
+    assert summary.num_calls == 4 * len(BUCKETS)
+    calls = plans["rows=16"].calls
+    assert calls[0].executable is calls[2].executable is calls[3].executable
+    assert set(summary.seconds_per_label) == {"rows=16", "rows=32"}
+
+
+def test_donated_input_is_consumed_and_aliased(compiled):
+    plans, _ = compiled
+    call = plans["rows=16"].calls[0]
+    alias = call.executable.memory_analysis().alias_size_in_bytes
+    assert alias == 16 * WIDTH * 4  # the x buffer is reused for the output
+    x = jax.device_put(np.ones((16, WIDTH), np.float32))
+    plans["rows=16"].run({"x": x}, {"scale": {"factor": np.ones(16, np.float32)}})
+    assert x.is_deleted()
+
+
+def test_guard_counts_and_strict_raises_after_arming(compiled):
+    plans, _ = compiled
+    guard = CompileGuard(strict=True)
+    jnp.arange(3) * 2  # before arming: not counted
+    guard.arm()
+    x = jax.device_put(np.ones((32, WIDTH), np.float32))
+    plans["rows=32"].run({"x": x}, {"scale": {"factor": np.ones(32, np.float32)}})
+    assert guard.runtime_compiles == 0
+    with pytest.raises(RuntimeCompileError, match="shapes"):
+        jnp.arange(7) * 3 + 1
+    assert guard.runtime_compiles >= 1
+    with guard.allowed("test fallback"):
+        jnp.arange(11) * 5
+    assert guard.allowed_compiles >= 1
+    guard.disarm()
+
+
+def test_non_strict_guard_logs_function_and_shape(caplog):
+    guard = CompileGuard(strict=False)
+    guard.arm()
+    jnp.zeros((3, 13), jnp.float32) + 2
+    guard.disarm()
+    assert guard.runtime_compiles >= 1
+    assert any("13" in e.shapes for e in guard.events)
+    assert "runtime compile" in caplog.text
+
+
+def test_wrong_shape_at_replay_is_an_error_not_a_compile(compiled):
+    plans, _ = compiled
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    x = jax.device_put(np.ones((17, WIDTH), np.float32))
+    with pytest.raises((TypeError, ValueError)):
+        plans["rows=16"].run({"x": x}, {"scale": {"factor": np.ones(16, np.float32)}})
+    guard.disarm()
+    assert guard.runtime_compiles == 0
+
+
+def test_start_up_failure_names_segment_and_bucket():
+    def fragile(weight, x):
+        if x.shape[0] == 32:
+            raise ValueError("unsupported row count")
+        return block(weight, x)
+
+    broken = Segment("fragile_block", fragile, ("x",), ("x",))
+    plan = Plan([Call(broken, WEIGHTS[0])], ("x",), ("x",))
+    with pytest.raises(CompileError, match=r"'fragile_block'.*rows=32"):
+        compile_plan(plan)
+
+
+def test_plan_rejects_reading_a_donated_value():
+    keep = Segment("keep", lambda p, x: x * 2, ("x",), ("y",), donate=("x",))
+    with pytest.raises(ValueError, match="donated"):
+        Plan([Call(keep), Call(BLOCK, WEIGHTS[0])], ("x",), ("x",))
+    with pytest.raises(ValueError, match="not inputs"):
+        Segment("bad", block, ("x",), ("x",), donate=("z",))
+
+
+def test_docs_example_runs():
+    text = (Path(__file__).parents[1] / "docs" / "graph.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "docs/graph.md", "exec"), {})

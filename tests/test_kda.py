@@ -1,0 +1,201 @@
+"""KDA reference against fla's golden outputs, and the chunked Pallas prefill (interpreted)
+against the reference: ragged packed batches, GVA, initial states, padded requests, checkpoints,
+strong decay."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenspeed_jax.kernels import kda, kda_ref
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "kda_naive.npz"
+H, HV, K, V = 1, 2, 16, 16  # GVA: two value heads share one query/key head
+LENGTHS = (1, 63, 64, 65, 1000)
+
+
+def random_inputs(rng, num_tokens, *, strong_decay=True):
+    q = rng.standard_normal((num_tokens, H, K)).astype(np.float32)
+    k = rng.standard_normal((num_tokens, H, K)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((num_tokens, HV, V)).astype(np.float32)
+    g = -np.log1p(np.exp(rng.standard_normal((num_tokens, HV, K)) - 1.0)).astype(np.float32)
+    if strong_decay:
+        g[rng.uniform(size=g.shape) < 0.05] = -100.0
+    beta = rng.uniform(0.05, 1.0, (num_tokens, HV)).astype(np.float32)
+    return tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
+
+
+def reference(inputs, cu, initial_state, **kw):
+    batched = [x[None] for x in inputs]
+    o, s = kda_ref.recurrent_kda_reference(
+        *batched, initial_state=initial_state, output_final_state=True, cu_seqlens=cu, **kw
+    )
+    return np.asarray(o[0]), np.asarray(s)
+
+
+def rel_err(x, y):
+    return float(np.linalg.norm(np.asarray(x) - y) / np.linalg.norm(y))
+
+
+@pytest.fixture(scope="module")
+def golden():
+    if not GOLDEN.exists():
+        pytest.skip(f"{GOLDEN} not generated (scripts/make_golden.py kda)")
+    return np.load(GOLDEN)
+
+
+@pytest.mark.parametrize("prefix", ["", "gva_", "decode_"])
+def test_references_match_fla_naive_golden(golden, prefix):
+    meta = json.loads(str(golden["metadata"]))
+    case = next(c for c in meta["cases"].values() if c["prefix"] == prefix)
+    args = [jnp.asarray(golden[prefix + n]) for n in ("q", "k", "v", "g", "beta")]
+    init = jnp.asarray(golden[prefix + "initial_state"]) if case["initial_state_passed"] else None
+    scale = float(golden[prefix + "scale"])
+    for fn in (kda_ref.recurrent_kda_reference, kda_ref.chunk_kda_reference):
+        o, s = fn(*args, scale=scale, initial_state=init, output_final_state=True)
+        np.testing.assert_allclose(o, golden[prefix + "o"], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(s, golden[prefix + "final_state"], rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_kda_kernel_matches_fla_golden_gva(golden):
+    args = [jnp.asarray(golden["gva_" + n]) for n in ("q", "k", "v", "g", "beta")]
+    o, s = kda.chunk_kda(*args, scale=float(golden["gva_scale"]), output_final_state=True,
+                         interpret=True)
+    np.testing.assert_allclose(o, golden["gva_o"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(s, golden["gva_final_state"], rtol=1e-4, atol=1e-4)
+
+
+def test_gate_and_l2norm_match_hand_formulas():
+    rng = np.random.default_rng(1)
+    raw = rng.standard_normal((3, 2, 4)).astype(np.float32) * 30
+    a_log = rng.standard_normal(2).astype(np.float32)
+    dt_bias = rng.standard_normal(8).astype(np.float32)
+    x = raw + dt_bias.reshape(2, 4)
+    expected = -np.exp(a_log)[:, None] * np.logaddexp(0.0, x.astype(np.float64))
+    got = kda_ref.kda_gate(jnp.asarray(raw), jnp.asarray(a_log), jnp.asarray(dt_bias))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    norm = kda_ref.l2_normalize(jnp.asarray(raw))
+    np.testing.assert_allclose(norm, raw / np.sqrt((raw**2).sum(-1, keepdims=True) + 1e-6),
+                               rtol=1e-5)
+
+
+def test_chunk_form_matches_recurrence_with_gate_and_l2norm():
+    rng = np.random.default_rng(2)
+    q, k, v, g, beta = random_inputs(rng, 150)
+    a_log = jnp.asarray(rng.standard_normal(HV), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(HV * K), jnp.float32)
+    cu = np.array([0, 17, 150])
+    init = jnp.asarray(rng.standard_normal((2, HV, K, V)), jnp.float32)
+    kw = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "A_log": a_log,
+              "dt_bias": dt_bias, "initial_state": init, "output_final_state": True, "cu_seqlens": cu}
+    batched = [x[None] * 3 for x in (q, k)] + [x[None] for x in (v, g, beta)]
+    o_rec, s_rec = kda_ref.recurrent_kda_reference(*batched, **kw)
+    o_chk, s_chk = kda_ref.chunk_kda_reference(*batched, **kw)
+    assert rel_err(o_chk, np.asarray(o_rec)) < 1e-5
+    assert rel_err(s_chk, np.asarray(s_rec)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def ragged_batch():
+    """Requests of LENGTHS plus one padded request, packed into a bucket with spare tokens."""
+    rng = np.random.default_rng(3)
+    lengths = LENGTHS + (7,)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + 9
+    inputs = random_inputs(rng, num_tokens)
+    pool = jnp.asarray(rng.standard_normal((10, HV, K, V)), jnp.float32)
+    slots = np.array([4, 0, 7, 2, 9, -1], np.int32)
+    return inputs, cu, pool, slots
+
+
+def run_prefill(ragged_batch, ckpt_offsets=None, ckpt_slots=None):
+    inputs, cu, pool, slots = ragged_batch
+    extra = {}
+    if ckpt_offsets is not None:
+        extra = {"checkpoint_offsets": jnp.asarray(ckpt_offsets, jnp.int32),
+                     "checkpoint_slots": jnp.asarray(ckpt_slots, jnp.int32)}
+    o, new_pool = kda.chunk_kda_prefill(
+        *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu), interpret=True, **extra
+    )
+    return np.asarray(o), np.asarray(new_pool)
+
+
+def test_prefill_ragged_gva_states_from_pool_and_padding(ragged_batch):
+    inputs, cu, pool, slots = ragged_batch
+    real = slots >= 0
+    init = np.where(real[:, None, None, None], np.asarray(pool)[np.maximum(slots, 0)], 0)
+    o_ref, s_ref = reference(inputs, cu, jnp.asarray(init))
+    o, new_pool = run_prefill(ragged_batch)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(new_pool))
+    for n in range(len(slots)):
+        lo, hi = cu[n], cu[n + 1]
+        assert rel_err(o[lo:hi], o_ref[lo:hi]) < 1e-4, n
+    assert np.all(o[cu[-1]:] == 0)
+    np.testing.assert_allclose(new_pool[slots[real]], s_ref[real], rtol=1e-4, atol=1e-4)
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), slots[real])
+    np.testing.assert_array_equal(new_pool[untouched], np.asarray(pool)[untouched])
+
+
+def test_prefill_checkpoints_at_several_granularities(ragged_batch):
+    inputs, cu, pool, slots = ragged_batch
+    # request 4 (1000 tokens) checkpoints at 896 = 7*128; request 3 (65 tokens) at 64; request 2
+    # (64 tokens) at its full length; request 1 has none; the padded request asks but is ignored
+    # for its state slot only through its own (negative) checkpoint slot.
+    offsets = np.array([0, 0, 64, 64, 256 * 3, 0], np.int32)
+    ckpt_slots = np.array([-1, -1, 1, 3, 5, -1], np.int32)
+    o, new_pool = run_prefill(ragged_batch, offsets, ckpt_slots)
+    o_plain, pool_plain = run_prefill(ragged_batch)
+    np.testing.assert_allclose(o, o_plain, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(new_pool[slots[slots >= 0]], pool_plain[slots[slots >= 0]],
+                               rtol=1e-6, atol=1e-6)
+    for n in (2, 3, 4):
+        lo = cu[n]
+        prefix = [x[lo:lo + offsets[n]] for x in inputs]
+        init = jnp.asarray(np.asarray(pool)[slots[n]][None])
+        _, s_ref = reference(prefix, np.array([0, offsets[n]]), init)
+        np.testing.assert_allclose(new_pool[ckpt_slots[n]], s_ref[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(new_pool[[6, 8]], np.asarray(pool)[[6, 8]])
+
+
+def test_fused_recurrent_matches_chunk_with_initial_state():
+    rng = np.random.default_rng(4)
+    q, k, v, g, beta = random_inputs(rng, 130)
+    init = jnp.asarray(rng.standard_normal((2, HV, K, V)), jnp.float32)
+    cu = jnp.asarray([0, 66, 130], jnp.int32)
+    batched = [x[None] for x in (q, k, v, g, beta)]
+    kw = {"initial_state": init, "output_final_state": True, "cu_seqlens": cu, "interpret": True}
+    o_c, s_c = kda.chunk_kda(*batched, **kw)
+    o_r, s_r = kda.fused_recurrent_kda(*batched, **kw)
+    o_ref, s_ref = reference((q, k, v, g, beta), np.asarray(cu), init)
+    assert rel_err(o_c[0], o_ref) < 1e-4 and rel_err(o_r[0], o_ref) < 1e-5
+    assert rel_err(s_c, s_ref) < 1e-4 and rel_err(s_r, s_ref) < 1e-5
+
+
+def test_prefill_rejects_bad_shapes():
+    rng = np.random.default_rng(5)
+    q, k, v, g, beta = random_inputs(rng, 8, strong_decay=False)
+    pool = jnp.zeros((2, HV, K, V), jnp.float32)
+    slots = jnp.array([0], jnp.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 4, 8], jnp.int32),
+                              interpret=True)
+    with pytest.raises(TypeError, match="float32"):
+        kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.bfloat16), slots,
+                              jnp.array([0, 8], jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="multiple"):
+        kda.chunk_kda(q[None].repeat(3, 2), k[None].repeat(3, 2), v[None], g[None], beta[None],
+                      interpret=True)
+
+
+def test_interpret_none_means_interpret_on_cpu():
+    assert jax.default_backend() == "cpu"
+    from tokenspeed_jax.kernels import pallas_backend
+
+    assert pallas_backend.resolve_interpret(None) is True
+    assert pallas_backend.resolve_interpret(False) is False
+    with pytest.raises(TypeError):
+        pallas_backend.resolve_interpret("yes")

@@ -1,0 +1,116 @@
+"""The public API end to end: ``LLM`` on real checkpoints against transformers' golden outputs."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenspeed_jax import LLM, SamplingParams
+
+GOLDEN = Path(__file__).parent / "golden"
+TINY_FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_tied"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    return LLM(None)
+
+
+@pytest.fixture(scope="module")
+def smollm2_golden() -> dict:
+    return json.loads((GOLDEN / "smollm2.json").read_text())
+
+
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def tiny(request) -> tuple[LLM, np.lib.npyio.NpzFile]:
+    return LLM(GOLDEN / request.param), np.load(GOLDEN / f"{request.param}.npz")
+
+
+def test_smollm2_greedy_answers_match_transformers(smollm2, smollm2_golden):
+    prompts = smollm2_golden["prompts"]
+    conversations = [p["messages"] for p in prompts]
+    longest = max(len(p["generated_ids"]) for p in prompts)
+    outs = smollm2.chat(conversations, SamplingParams(max_tokens=longest, temperature=0.0))
+    assert sum(len(p["generated_ids"]) >= 30 for p in prompts) >= 3
+    for golden, out in zip(prompts, outs):
+        assert out.prompt_token_ids == golden["prompt_ids"]
+        assert out.token_ids == golden["generated_ids"]
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2):
+    (out,) = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(max_tokens=24, temperature=0.0))
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+
+
+def test_smollm2_logits_match_transformers(smollm2, smollm2_golden):
+    golden = smollm2_golden["first_prompt_last_logits"]
+    logits = smollm2.logits(smollm2_golden["prompts"][0]["prompt_ids"])[-1]
+    assert logits.shape == (golden["vocab_size"],)
+    top = np.argsort(-logits)[:5]
+    np.testing.assert_array_equal(top, golden["top_ids"][:5])
+    np.testing.assert_allclose(logits[golden["top_ids"]], golden["top_values"], rtol=2e-4,
+                               atol=2e-4)
+
+
+def test_tiny_greedy_continuations_match_transformers(tiny):
+    llm, golden = tiny
+    outs = llm.generate([golden["prompt_ids"].tolist(), golden["prompt_ids_2"].tolist()], GREEDY)
+    assert outs[0].token_ids == golden["greedy_ids"].tolist()
+    assert outs[1].token_ids == golden["greedy_ids_2"].tolist()
+
+
+def test_tiny_logits_match_transformers(tiny):
+    llm, golden = tiny
+    logits = llm.logits(golden["prompt_ids_2"].tolist())
+    scale = np.abs(golden["logits_2"]).max()
+    np.testing.assert_allclose(logits, golden["logits_2"], rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(smollm2):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    alone = smollm2.generate("Once upon a time", params)[0]
+    batched = smollm2.generate(["A longer, different prompt about cats", "Once upon a time"],
+                               params)[1]
+    assert alone.token_ids == batched.token_ids
+    other_seed = smollm2.generate("Once upon a time", SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.95, seed=99))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_n_gives_distinct_seeded_samples(smollm2):
+    outs = smollm2.generate("The weather today is",
+                            SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=3))
+    assert len(outs) == 3
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_stop_string_cuts_text_before_it(smollm2):
+    prompt = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+    (full,) = smollm2.chat(prompt, SamplingParams(max_tokens=30, temperature=0.0))
+    stop = full.text[20:26]
+    (cut,) = smollm2.chat(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def test_max_tokens_ends_with_length(tiny):
+    llm, golden = tiny
+    (out,) = llm.generate(golden["prompt_ids"].tolist(),
+                          SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 5
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"),
+    ([5, 10_000_000], "outside the vocabulary"),
+    ([1] * 300, "context length"),
+])
+def test_bad_prompts_raise_clear_errors(tiny, prompt, message):
+    llm, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], GREEDY)

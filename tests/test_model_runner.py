@@ -1,0 +1,285 @@
+"""ModelRunner on a tiny random Llama: every route equals the dense-cache reference forward.
+
+Reference: ``LlamaForCausalLM.__call__`` over a dense KV cache on the full token sequence; the
+runner's greedy token and its log-probability, and the K/V it wrote into the pages, must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+from tokenspeed_jax.engine.model_runner import ModelRunner, split_requests
+from tokenspeed_jax.graph import CompileError
+from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
+from tokenspeed_jax.sampling_params import SamplingParams
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+PAGE = 4
+MAX_LEN = 64
+GREEDY = SamplingParams(temperature=0.0)
+ENGINE = EngineConfig(
+    prefill_graph_capture_token_sizes=(16,), prefill_graph_max_tokens=32,
+    prefill_graph_capture_batch_sizes=(1,), prefill_graph_max_bs=2,
+    decode_graph_capture_batch_sizes=(1,), decode_graph_max_bs=2,
+    chunked_prefill_size=32, strict_no_compile=True, max_model_len=MAX_LEN,
+    compile_progress=False,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    runner = ModelRunner(model, ENGINE, num_pages=64, page_size=PAGE)
+    runner.compile_all()
+    return runner
+
+
+class Pages:
+    """A trivial page allocator for tests: each request gets fresh pages."""
+
+    def __init__(self, first: int = 1):
+        self.next = first
+
+    def take(self, num_tokens: int) -> np.ndarray:
+        count = -(-num_tokens // PAGE)
+        table = np.arange(self.next, self.next + count, dtype=np.int32)
+        self.next += count
+        return table
+
+
+@nnx.jit
+def dense_forward(model, token_ids, positions):
+    cache = DenseKVCache.create(CONFIG, 1, MAX_LEN, jnp.float32)
+    logits, cache = model(token_ids, positions, cache)
+    return jax.nn.log_softmax(logits, axis=-1), cache.k, cache.v
+
+
+def reference(model, runner, tokens):
+    """(greedy next token, its log-prob, K [L, n, Hkv, Dh], V) from the dense forward, run on
+    the sequence padded to MAX_LEN (position -1) so it compiles once."""
+    n = len(tokens)
+    ids = np.zeros((1, MAX_LEN), np.int32)
+    ids[0, :n] = tokens
+    positions = np.full((1, MAX_LEN), -1, np.int32)
+    positions[0, :n] = np.arange(n)
+    with runner.guard.allowed("reference forward"):
+        logprobs, k, v = dense_forward(model, ids, positions)
+    logprobs = np.asarray(logprobs)[0, n - 1]
+    k, v = np.asarray(k)[:, 0, :n], np.asarray(v)[:, 0, :n]
+    return int(np.argmax(logprobs)), float(np.max(logprobs)), k, v
+
+
+def paged_kv(runner, table, length):
+    slots = np.arange(length)
+    pages, rows = table[slots // PAGE], slots % PAGE
+    k = np.stack([np.asarray(p)[pages, rows] for p in runner.k_pages])
+    v = np.stack([np.asarray(p)[pages, rows] for p in runner.v_pages])
+    return k, v
+
+
+def request(rid, tokens, start, table, sample=True, outputs=()):
+    return StepRequest(rid, np.asarray(tokens, np.int32), start, table, sample, GREEDY,
+                       list(outputs))
+
+
+def check(model, runner, out_token, out_logprob, tokens, table):
+    token, logprob, k_ref, v_ref = reference(model, runner, tokens)
+    assert out_token == token
+    np.testing.assert_allclose(out_logprob, logprob, rtol=1e-4, atol=1e-4)
+    k, v = paged_kv(runner, table, len(tokens))
+    np.testing.assert_allclose(k, k_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-4, atol=1e-5)
+
+
+def prompts(seed, *lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, CONFIG.vocab_size, n).astype(np.int32) for n in lengths]
+
+
+def generate(model, runner, pages, prompt_list, steps):
+    """Prefill all prompts in one step, then decode ``steps`` tokens; check each against the
+    reference. Returns the tables and the full token lists."""
+    tables = [pages.take(len(p) + steps) for p in prompt_list]
+    batch = [request(str(i), p, 0, t) for i, (p, t) in enumerate(zip(prompt_list, tables))]
+    out = runner.step(StepBatch(batch))
+    seqs = [list(p) for p in prompt_list]
+    for i, seq in enumerate(seqs):
+        check(model, runner, out.token_ids[i], out.logprobs[i], seq, tables[i])
+        seq.append(int(out.token_ids[i]))
+    for _ in range(steps):
+        batch = [request(str(i), [s[-1]], len(s) - 1, tables[i], outputs=s[len(p):])
+                 for i, (s, p) in enumerate(zip(seqs, prompt_list))]
+        out = runner.step(StepBatch(batch))
+        for i, seq in enumerate(seqs):
+            check(model, runner, out.token_ids[i], out.logprobs[i], seq, tables[i])
+            seq.append(int(out.token_ids[i]))
+    return tables, seqs
+
+
+def test_buckets_come_from_the_config(runner):
+    assert runner.buckets.tokens == (16, 32)
+    assert runner.buckets.prefill_requests == (1, 2)
+    assert runner.buckets.decode_requests == (1, 2)
+
+
+@pytest.mark.parametrize("lengths", [(5,), (16,), (23,), (7, 9), (3, 29)])
+def test_prefill_and_decode_match_reference_in_every_bucket(model, runner, lengths):
+    before = runner.stats()
+    generate(model, runner, Pages(), prompts(sum(lengths), *lengths), steps=2)
+    after = runner.stats()
+    assert after["prefill_graph_runs"] == before["prefill_graph_runs"] + 1
+    assert after["decode_graph_runs"] == before["decode_graph_runs"] + 2
+    assert after["runtime_compiles"] == 0 and after["eager_runs"] == 0
+
+
+def test_long_prompt_is_chunked_across_buckets(model, runner):
+    before = runner.stats()["chunked_prefill_splits"]
+    generate(model, runner, Pages(), prompts(7, 45, 20), steps=1)  # 65 tokens > 32: 3 chunks
+    assert runner.stats()["chunked_prefill_splits"] == before + 2
+
+
+def test_prefix_pages_written_earlier_are_read(model, runner):
+    """A second request reuses the first one's prompt pages (a prefix-cache hit) and only
+    computes its new tokens."""
+    pages = Pages()
+    (prompt,) = prompts(11, 12)
+    table = pages.take(12)
+    runner.step(StepBatch([request("a", prompt, 0, table)]))
+    suffix = prompts(12, 9)[0]
+    table_b = np.concatenate([table, pages.take(9)])  # 12 tokens = 3 full pages shared
+    out = runner.step(StepBatch([request("b", suffix, 12, table_b)]))
+    check(model, runner, out.token_ids[0], out.logprobs[0], [*prompt, *suffix], table_b)
+
+
+def test_padding_never_writes_other_pages(model, runner):
+    untouched = [np.asarray(p)[0].copy() for p in runner.k_pages]  # page 0 is never allocated
+    pages = Pages(first=40)
+    tables, _ = generate(model, runner, pages, prompts(3, 3), steps=1)
+    used = set(tables[0].tolist())
+    for layer, before in zip(runner.k_pages, untouched):
+        layer = np.asarray(layer)
+        np.testing.assert_array_equal(layer[0], before)
+        others = [i for i in range(40, 64) if i not in used]
+        assert not np.any(layer[others])
+
+
+def test_padded_batch_rows_do_not_change_real_rows(model, runner):
+    """The same request alone (padded to bucket B=1) and next to another (B=2) gives the same
+    logprob: dummy tokens and dummy requests are invisible."""
+    (prompt,) = prompts(21, 6)
+    alone = runner.step(StepBatch([request("a", prompt, 0, Pages(1).take(6))]))
+    other = prompts(22, 10)[0]
+    pair = runner.step(StepBatch([request("a", prompt, 0, Pages(10).take(6)),
+                                  request("b", other, 0, Pages(20).take(10))]))
+    assert alone.token_ids[0] == pair.token_ids[0]
+    np.testing.assert_allclose(alone.logprobs[0], pair.logprobs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_workload_never_compiles_at_runtime(model, runner):
+    pages = Pages()
+    a, b, c, d = prompts(31, 6, 40, 3, 2)
+    ta, tb, tc, td = (pages.take(len(x) + 4) for x in (a, b, c, d))
+    runner.step(StepBatch([request("a", a, 0, ta)]))
+    # mixed: a decodes while b (chunked), c, d prefill; 4 requests > max prefill bs 2
+    out = runner.step(StepBatch([
+        request("a", [1], len(a), ta, outputs=[1]), request("b", b, 0, tb),
+        request("c", c, 0, tc), request("d", d, 0, td)]))
+    assert len(out.token_ids) == 4
+    check(model, runner, out.token_ids[1], out.logprobs[1], list(b), tb)
+    check(model, runner, out.token_ids[3], out.logprobs[3], list(d), td)
+    # decode of 4 requests > largest decode bucket 2: split, still compiled
+    before = runner.stats()["decode_splits"]
+    decode = [request(n, [5], len(x) + 1 if n == "a" else len(x), t, outputs=[5])
+              for n, x, t in (("a", a, ta), ("b", b, tb), ("c", c, tc), ("d", d, td))]
+    runner.step(StepBatch(decode))
+    stats = runner.stats()
+    assert stats["decode_splits"] == before + 1
+    assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
+    assert 0.0 < stats["padding_waste"] < 1.0
+
+
+def test_kv_cache_is_donated_not_copied(runner):
+    old = runner.k_pages[0]
+    table = Pages(50).take(4)
+    runner.step(StepBatch([request("z", [1, 2, 3], 0, table)]))
+    assert old.is_deleted()
+    attention = runner._encoders[16, 1].calls[1]
+    assert attention.name == "attention"
+    cache_bytes = 2 * old.size * old.dtype.itemsize
+    assert attention.executable.memory_analysis().alias_size_in_bytes >= cache_bytes
+
+
+def test_split_requests_keeps_positions_and_samples_last_piece():
+    reqs = [request("a", np.arange(10), 3, np.arange(4)), request("b", np.arange(5), 0,
+                                                                  np.arange(2), sample=False)]
+    groups = split_requests(reqs, 4, 8)
+    pieces = [(r.request_id, r.start_pos, r.num_tokens, r.sample) for g in groups for r in g]
+    assert pieces == [("a", 3, 4, False), ("a", 7, 4, False), ("a", 11, 2, True),
+                      ("b", 0, 2, False), ("b", 2, 3, False)]
+    assert [sum(r.num_tokens for r in g) for g in groups] == [4, 4, 4, 3]
+
+
+@pytest.fixture(scope="module")
+def eager_runner(model):
+    return ModelRunner(model, dataclasses.replace(ENGINE, enforce_eager=True), 64, PAGE)
+
+
+def test_eager_route_matches_reference(model, eager_runner):
+    assert eager_runner.buckets.tokens == () and eager_runner.buckets.decode_requests == ()
+    generate(model, eager_runner, Pages(), prompts(41, 5, 18), steps=1)
+    assert eager_runner.stats()["eager_runs"] == 2
+    assert eager_runner.stats()["runtime_compiles"] == 0
+
+
+def test_no_chunking_runs_long_prompts_eagerly(model):
+    config = dataclasses.replace(ENGINE, chunked_prefill_size=0, decode_graph_max_bs=1,
+                                 decode_graph_capture_batch_sizes=(1,),
+                                 prefill_graph_capture_batch_sizes=(1,), prefill_graph_max_bs=1)
+    runner = ModelRunner(model, config, 64, PAGE)
+    runner.compile_all()
+    pages = Pages()
+    (prompt,) = prompts(51, 40)
+    table = pages.take(40)
+    out = runner.step(StepBatch([request("a", prompt, 0, table)]))
+    check(model, runner, out.token_ids[0], out.logprobs[0], list(prompt), table)
+    assert runner.stats()["eager_runs"] == 1 and runner.stats()["runtime_compiles"] == 0
+
+
+def test_injected_compile_failure_aborts_start_up(model, monkeypatch):
+    layer_type = type(model.layers[0])
+    original = layer_type.attention_outputs
+
+    def failing(self, hidden, attn):
+        if hidden.shape[0] == 32:
+            raise RuntimeError("injected failure")
+        return original(self, hidden, attn)
+
+    monkeypatch.setattr(layer_type, "attention_outputs", failing)
+    runner = ModelRunner(model, ENGINE, 64, PAGE)
+    with pytest.raises(CompileError, match=r"'out\+qkv'.*T=32"):
+        runner.compile_all()
+
+
+def test_declared_unsupported_prefill_graph_is_honoured(model):
+    class NoPrefillGraph(LlamaForCausalLM):
+        supports_prefill_graph = False
+
+    graphdef, state = nnx.split(model)
+    stripped = nnx.merge(graphdef, state)
+    stripped.__class__ = NoPrefillGraph
+    runner = ModelRunner(stripped, ENGINE, 64, PAGE)
+    assert runner.buckets.tokens == ()
+    assert runner.buckets.decode_requests == (1, 2)

@@ -1,0 +1,101 @@
+"""EngineConfig: every engine setting in one flat, frozen dataclass.
+
+Field names mirror TokenSpeed's command-line flags, so a CLI flag maps 1:1 onto a field.
+Invariants: a config is validated once, at construction, with errors that name the field and the
+value; it never changes afterwards (frozen); static settings only, never live request data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 8192  # "auto" when chunked prefill is off
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # Largest prefill token bucket: None = auto (min of 8192 and chunked_prefill_size), 0 = no
+    # prefill graph (prefill runs eagerly).
+    prefill_graph_max_tokens: int | None = None
+    # Explicit token buckets (filtered to (0, max], max always kept); None = the default ladder.
+    prefill_graph_capture_token_sizes: tuple[int, ...] | None = None
+    # Explicit prefill request-count buckets; None = 1, 2, 4, 8, 16, ... up to prefill_graph_max_bs.
+    prefill_graph_capture_batch_sizes: tuple[int, ...] | None = None
+    # Largest prefill request-count bucket; a prefill step with more requests is split.
+    prefill_graph_max_bs: int = 16
+    # Run every prefill step eagerly (plain JAX op by op); decode graphs are unaffected.
+    disable_prefill_graph: bool = False
+    # Largest decode batch bucket: 1, 2, 4, 8, then steps of 16 up to this; larger steps are split.
+    decode_graph_max_bs: int = 160
+    # Explicit decode batch buckets; None = the default ladder up to decode_graph_max_bs.
+    decode_graph_capture_batch_sizes: tuple[int, ...] | None = None
+    # No compiled graphs at all: every step runs eagerly.
+    enforce_eager: bool = False
+    # Prompts longer than the largest token bucket are split into chunks of at most this many
+    # tokens; 0 = off (such prompts then run eagerly).
+    chunked_prefill_size: int = 8192
+    # Raise on any XLA compile after start-up (tests turn this on); otherwise count and log it.
+    strict_no_compile: bool = False
+    # Longest sequence (prompt + output) a request may reach; fixes the page-table width.
+    max_model_len: int = 4096
+    # Show a progress bar during the start-up compile.
+    compile_progress: bool = True
+
+    # ---- serving: engine loop and HTTP server (owned by the engine/server) ----
+    # The model: an HF directory, a GGUF file or an orbax directory; None = embedded SmolLM2.
+    model: str | None = None
+    # Weight and compute dtype ("auto" = the checkpoint's, "float32", "bfloat16", ...).
+    dtype: str = "auto"
+    # Most requests running (holding KV pages) at once; more wait in the queue.
+    max_num_seqs: int = 64
+    # Tokens per KV page.
+    page_size: int = 16
+    # KV pages; None = sized from free device memory (host memory on the CPU) x mem_fraction.
+    num_pages: int | None = None
+    # Fraction of the memory free after loading the weights that the KV cache may take.
+    mem_fraction: float = 0.85
+    # Reuse the KV pages of identical full-page prompt prefixes across requests.
+    enable_prefix_caching: bool = True
+    # Address the HTTP server listens on.
+    host: str = "127.0.0.1"
+    # Port the HTTP server listens on.
+    port: int = 8000
+    # Model name the API serves and expects in requests; None = the model file or directory name.
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_graph_capture_token_sizes", "prefill_graph_capture_batch_sizes",
+                     "decode_graph_capture_batch_sizes"):
+            value = getattr(self, name)
+            if value is not None:
+                sizes = tuple(int(s) for s in value)
+                if not sizes:
+                    raise ValueError(f"{name} must not be empty, got {value!r}")
+                object.__setattr__(self, name, sizes)
+        checks = [
+            (self.prefill_graph_max_tokens is None or self.prefill_graph_max_tokens >= 0,
+             f"prefill_graph_max_tokens must be None or >= 0, got {self.prefill_graph_max_tokens}"),
+            (self.prefill_graph_max_bs >= 1,
+             f"prefill_graph_max_bs must be >= 1, got {self.prefill_graph_max_bs}"),
+            (self.decode_graph_max_bs >= 1,
+             f"decode_graph_max_bs must be >= 1, got {self.decode_graph_max_bs}"),
+            (self.chunked_prefill_size >= 0,
+             f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}"),
+            (self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def prefill_graph_enabled(self) -> bool:
+        return not (self.enforce_eager or self.disable_prefill_graph
+                    or self.prefill_graph_max_tokens == 0)
+
+    @property
+    def prefill_token_limit(self) -> int:
+        """The largest prefill token bucket: min(prefill graph max tokens, chunked prefill size)."""
+        limit = self.prefill_graph_max_tokens or DEFAULT_PREFILL_GRAPH_MAX_TOKENS
+        if self.chunked_prefill_size:
+            limit = min(limit, self.chunked_prefill_size)
+        return limit

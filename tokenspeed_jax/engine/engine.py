@@ -1,0 +1,473 @@
+"""The serving loop: continuous batching of requests over a model runner, sync and asyncio fronts.
+
+``Engine`` is synchronous: ``add_request`` / ``abort`` / ``step``, and ``generate`` for offline
+use. One ``step`` schedules a batch, runs it, then turns each sampled token into a
+``RequestOutput`` (stop tokens, max_tokens, the context length, stop strings across token
+boundaries through the incremental detokenizer). ``AsyncEngine`` runs that loop in one background
+thread and streams each request's outputs to an asyncio consumer; request-side host work (HTTP,
+tokenisation, JSON) runs on the event loop while the engine thread waits on the device.
+
+Invariants:
+
+* Only the engine thread touches ``Engine``; the asyncio side talks to it through a queue.
+* A request is validated before it is accepted (prompt within the context length, unique id);
+  once accepted it always ends with exactly one output that has ``finished`` set, whether it
+  stopped, ran out of length, was aborted or the engine failed.
+* ``max_model_len`` never exceeds what the KV pages can hold, so one request alone always fits
+  and preemption can always make progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.detokenizer import IncrementalDetokenizer
+from tokenspeed_jax.engine.batch import StepBatch, StepOutput
+from tokenspeed_jax.engine.block_manager import BlockManager
+from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
+from tokenspeed_jax.engine.scheduler import ScheduledStep, Scheduler
+from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.tokenizer import Tokenizer
+
+
+class StepRunner(Protocol):
+    def step(self, batch: StepBatch) -> StepOutput: ...
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One finished sequence of ``Engine.generate``."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of the ``index``-th of ``n`` samples: n=1, and its own seed when seeded."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: StepRunner,
+        tokenizer: Tokenizer,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+    ):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.max_model_len = min(max_model_len, num_pages * page_size)
+        self._tracked: dict[str, _Tracked] = {}
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Raise ValueError unless the prompt leaves room for at least one generated token."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context length is "
+                f"{self.max_model_len}, which must also hold at least one generated token"
+            )
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        if params.n != 1:
+            raise ValueError(f"Engine.add_request takes n=1 (fan out with child_params); "
+                             f"got n={params.n}")
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params.with_random_seed())
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                             stop=params.stop)
+        self._tracked[request_id] = _Tracked(request, detokenizer)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now; returns its last output, or None when it is not in flight."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.request, "abort")
+        tracked.request.finish_time = time.monotonic()
+        return self._output(tracked.request, [], "", None)
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            if self.scheduler.has_work:
+                raise RuntimeError(
+                    f"scheduler stalled: {self.num_waiting} waiting, {self.num_running} running, "
+                    f"{self.block_manager.num_free_pages} free pages"
+                )
+            return []
+        result = self.runner.step(step.batch)
+        self.scheduler.after_step(step)
+        self.num_steps += 1
+        return self._process(step, result)
+
+    def generate(
+        self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
+    ) -> list[list[CompletionOutput]]:
+        """Run every prompt to completion; for each, its ``n`` samples in order."""
+        ids = []
+        for i, (prompt_ids, params) in enumerate(prompts):
+            children = [f"generate-{id(self)}-{i}-{j}" for j in range(params.n)]
+            for j, child in enumerate(children):
+                self.add_request(child, prompt_ids, child_params(params, j))
+            ids.append(children)
+        collected: dict[str, list[RequestOutput]] = {c: [] for group in ids for c in group}
+        while self.has_unfinished:
+            for output in self.step():
+                collected[output.request_id].append(output)
+        return [[_join(collected[c]) for c in group] for group in ids]
+
+    def stats(self) -> dict[str, float]:
+        manager = self.block_manager
+        scheduler = self.scheduler
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_pages_total": manager.num_pages,
+            "kv_pages_used": manager.num_used_pages,
+            "num_preemptions": scheduler.num_preemptions,
+            "prefix_query_tokens": scheduler.prefix_query_tokens,
+            "prefix_hit_tokens": scheduler.prefix_hit_tokens,
+            "num_steps": self.num_steps,
+        }
+
+    def _process(self, step: ScheduledStep, result: StepOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        sampled = 0
+        for request, step_request in zip(step.requests, step.batch.requests):
+            self.num_prompt_tokens += max(
+                0, min(step_request.end_pos, request.num_prompt_tokens) - step_request.start_pos
+            )
+            if not step_request.sample:
+                continue
+            index = sampled
+            sampled += 1
+            token = int(result.token_ids[index])
+            request.token_ids.append(token)
+            self.num_generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            logprobs = None
+            if request.params.logprobs is not None:
+                logprobs = [_token_logprob(result, index, token, request.params.logprobs)]
+            outputs.append(self._advance(request, token, logprobs))
+        return outputs
+
+    def _advance(
+        self, request: Request, token: int, logprobs: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        """Feed one sampled token through the stop checks and the detokenizer."""
+        params = request.params
+        detokenizer = self._tracked[request.request_id].detokenizer
+        reason, stop_reason = None, None
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            reason, stop_reason = "stop", token
+            text = detokenizer.finish()
+        else:
+            text = detokenizer.add(token)
+            if detokenizer.stopped:
+                reason, stop_reason = "stop", detokenizer.stop_reason
+            elif (request.num_output_tokens >= params.max_tokens
+                  or request.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                text += detokenizer.finish()
+        if reason is not None:
+            self.scheduler.finish(request, reason, stop_reason)
+            request.finish_time = time.monotonic()
+            del self._tracked[request.request_id]
+        return self._output(request, [token], text, logprobs)
+
+    @staticmethod
+    def _output(
+        request: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            new_text=text,
+            logprobs=logprobs,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+
+def _token_logprob(result: StepOutput, index: int, token: int, num_top: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if num_top and result.top_token_ids is not None and result.top_logprobs is not None:
+        top = [
+            (int(t), float(lp))
+            for t, lp in zip(result.top_token_ids[index][:num_top],
+                             result.top_logprobs[index][:num_top])
+        ]
+    return TokenLogprob(token, float(result.logprobs[index]), top)
+
+
+def _join(outputs: list[RequestOutput]) -> CompletionOutput:
+    last = outputs[-1]
+    logprobs = None
+    if any(o.logprobs is not None for o in outputs):
+        logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
+    return CompletionOutput(
+        token_ids=[t for o in outputs for t in o.new_token_ids],
+        text="".join(o.new_text for o in outputs),
+        finish_reason=last.finish_reason or "abort",
+        logprobs=logprobs,
+    )
+
+
+# The CPU backend's "device memory" is host RAM shared with everything else on the machine, so
+# the KV cache there takes only this share of what is free (times mem_fraction).
+CPU_MEMORY_SHARE = 0.1
+
+
+def kv_page_bytes(model_config: Any, page_size: int, dtype: Any) -> int:
+    """Bytes of one KV page over all layers: K and V, [page_size, kv_heads, head_dim] each."""
+    import numpy as np
+
+    per_layer = 2 * page_size * model_config.num_key_value_heads * model_config.head_dim
+    return per_layer * model_config.num_hidden_layers * np.dtype(dtype).itemsize
+
+
+def free_device_bytes() -> tuple[int, str]:
+    """Free memory of the first device, and where the figure came from."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), "device"
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(available * CPU_MEMORY_SHARE), "host"
+
+
+def num_kv_pages(config: EngineConfig, page_bytes: int) -> int:
+    """KV pages to allocate: the explicit ``num_pages``, else what the free memory allows.
+
+    Never more than ``max_num_seqs`` full-length sequences need, never fewer than one sequence of
+    ``max_model_len`` needs.
+    """
+    if config.num_pages is not None:
+        if config.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {config.num_pages}")
+        return config.num_pages
+    if not 0.0 < config.mem_fraction <= 1.0:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {config.mem_fraction}")
+    per_sequence = math.ceil(config.max_model_len / config.page_size)
+    free, _ = free_device_bytes()
+    affordable = int(free * config.mem_fraction) // page_bytes
+    if affordable < per_sequence:
+        raise ValueError(
+            f"{free / 2**30:.2f} GiB free x mem_fraction={config.mem_fraction} holds "
+            f"{affordable} KV pages of {page_bytes} bytes, fewer than one sequence of "
+            f"max_model_len={config.max_model_len} needs ({per_sequence}); lower max_model_len "
+            f"or set num_pages"
+        )
+    return min(affordable, config.max_num_seqs * per_sequence)
+
+
+@dataclasses.dataclass
+class EngineBundle:
+    """A ready engine and what start-up produced on the way."""
+
+    engine: Engine
+    runner: Any  # ModelRunner
+    compile_summary: Any  # graph.CompileSummary
+    model_path: str
+    seconds: float
+
+
+def build_engine(config: EngineConfig) -> EngineBundle:
+    """Load the model, size the KV cache, compile every executable, return a ready engine."""
+    from tokenspeed_jax.engine.model_runner import ModelRunner
+    from tokenspeed_jax.models.loader import load_model
+
+    start = time.perf_counter()
+    # No step ever holds more than max_num_seqs requests: larger batch buckets would be dead code.
+    config = dataclasses.replace(
+        config,
+        decode_graph_max_bs=min(config.decode_graph_max_bs, config.max_num_seqs),
+        prefill_graph_max_bs=min(config.prefill_graph_max_bs, config.max_num_seqs),
+    )
+    loaded = load_model(config.model, dtype=config.dtype)
+    dtype = getattr(loaded.model, "dtype", "float32")
+    page_bytes = kv_page_bytes(loaded.config, config.page_size, dtype)
+    num_pages = num_kv_pages(config, page_bytes)
+    runner = ModelRunner(loaded.model, config, num_pages, config.page_size)
+    summary = runner.compile_all()
+    budget = config.prefill_token_limit if config.chunked_prefill_size else config.max_model_len
+    engine = Engine(
+        runner,
+        loaded.tokenizer,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=min(config.max_model_len, loaded.config.max_position_embeddings),
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+    return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every request in flight ends with this error."""
+
+
+class AsyncEngine:
+    """Runs ``Engine.step`` in a background thread; ``generate`` streams one request's outputs."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving early (or cancellation) aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+        self.engine.check_prompt(prompt_token_ids)
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._send("add", request_id, list(prompt_token_ids), params)
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, ValueError):
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine loop failed: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._send("abort", request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def _send(self, kind: str, *args) -> None:
+        self._inbox.put((kind, args))
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, args = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id = args[0]
+                try:
+                    self.engine.add_request(*args)
+                except ValueError as error:
+                    self._deliver(request_id, error)
+            else:
+                output = self.engine.abort(args[0])
+                if output is not None:
+                    self._deliver(output.request_id, output)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._drain_inbox()
+                if not engine.has_unfinished:
+                    if self._stopping:
+                        return
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for output in engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as error:  # every stream must learn the loop died
+            self.error = error
+            for request_id in list(self._streams):
+                self._deliver(request_id, error)
+            raise

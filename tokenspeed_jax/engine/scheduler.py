@@ -1,0 +1,189 @@
+"""Continuous-batching policy: which requests run each step, and how many of their tokens.
+
+Pure Python (no JAX). Each step has a token budget (the chunked-prefill size) and a sequence
+budget (``max_num_seqs``). Policy, in order:
+
+1. Running requests, oldest first: one token each when decoding, the next chunk of the prompt
+   while prefilling. When a request needs a page and none is free, the newest running request is
+   preempted by recompute (its pages freed, itself put back at the head of the waiting queue);
+   when the newest is the request itself, it is the one preempted.
+2. Waiting requests, first come first served, only when nothing was preempted this step: a
+   request first takes whatever full pages the prefix cache holds for its tokens, then as many
+   new tokens as the budget allows (chunked prefill).
+
+Invariants: no accepted request is ever dropped (preemption only delays it); at most
+``max_num_seqs`` requests hold pages; a step never schedules more than the token budget; a
+request is in exactly one of ``waiting``, ``running`` or neither (finished).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+from tokenspeed_jax.engine.block_manager import BlockManager
+from tokenspeed_jax.engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """A batch for the runner and the engine-side requests behind it, in the same order."""
+
+    batch: StepBatch
+    requests: list[Request]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Take a request out of the queues for good and give back its pages."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            return
+        self.block_manager.free(request.page_ids)
+        request.page_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preemptions_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._grow(
+                request, min(request.num_tokens - request.num_computed_tokens, budget)
+            )
+            if num_new == 0:
+                break  # the request preempted itself: it was the last one running
+            scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+        if self.num_preemptions == preemptions_before:
+            self._admit(scheduled, budget)
+        return self._build(scheduled)
+
+    def after_step(self, step: ScheduledStep) -> None:
+        """Advance every scheduled request past the tokens the step wrote; cache full pages."""
+        for request, step_request in zip(step.requests, step.batch.requests):
+            request.num_computed_tokens = step_request.end_pos
+            self.block_manager.commit(
+                request.page_ids, request.token_ids, request.num_computed_tokens
+            )
+
+    def _grow(self, request: Request, num_new: int) -> int:
+        """Give a running request pages for up to ``num_new`` more tokens; return how many fit.
+
+        A prefill chunk shrinks to the free pages; only when not even one token fits is the
+        newest running request preempted, repeatedly. Returns 0 when the request itself was.
+        """
+        while True:
+            fits = self._tokens_that_fit(request.num_computed_tokens, len(request.page_ids))
+            if fits >= 1:
+                break
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return 0
+        num_new = min(num_new, fits)
+        manager = self.block_manager
+        need = manager.pages_for(request.num_computed_tokens + num_new) - len(request.page_ids)
+        request.page_ids += manager.allocate(max(need, 0))
+        return num_new
+
+    def _tokens_that_fit(self, num_computed: int, num_pages_held: int) -> int:
+        manager = self.block_manager
+        return (num_pages_held + manager.num_free_pages) * manager.page_size - num_computed
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.page_ids)
+        request.page_ids = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, scheduled: list[tuple[Request, int]], budget: int) -> None:
+        manager = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = manager.acquire_prefix(request.token_ids)
+            num_cached = len(cached) * manager.page_size
+            num_new = min(
+                request.num_tokens - num_cached, budget, self._tokens_that_fit(num_cached, len(cached))
+            )
+            if num_new < 1:
+                manager.free(cached)
+                break
+            need = manager.pages_for(num_cached + num_new) - len(cached)
+            self.waiting.popleft()
+            request.page_ids = cached + manager.allocate(need)
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+                self.prefix_query_tokens += request.num_tokens
+                self.prefix_hit_tokens += num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+    @staticmethod
+    def _build(scheduled: list[tuple[Request, int]]) -> ScheduledStep:
+        step_requests = []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            step_requests.append(
+                StepRequest(
+                    request_id=request.request_id,
+                    token_ids=np.asarray(request.token_ids[start:end], dtype=np.int32),
+                    start_pos=start,
+                    page_table=np.asarray(request.page_ids, dtype=np.int32),
+                    sample=end == request.num_tokens,
+                    params=request.params,
+                    output_token_ids=request.output_token_ids,
+                )
+            )
+        return ScheduledStep(StepBatch(step_requests), [r for r, _ in scheduled])

@@ -1,0 +1,36 @@
+"""The segmented-compile core, independent of LLMs: plans, buckets, AOT compile, replay, guard.
+
+See docs/graph.md for the contract and a runnable example on a plain JAX function.
+"""
+
+from tokenspeed_jax.graph.buckets import (
+    batch_ladder,
+    choose_bucket,
+    explicit_ladder,
+    padding_waste,
+    token_ladder,
+)
+from tokenspeed_jax.graph.compile import CompileError, CompileSummary, PlanCompiler, abstract
+from tokenspeed_jax.graph.guard import CompileGuard, RuntimeCompileError
+from tokenspeed_jax.graph.plan import Break, Call, Plan, Segment
+from tokenspeed_jax.graph.runner import CompiledPlan, run_eager
+
+__all__ = [
+    "Break",
+    "Call",
+    "CompileError",
+    "CompileGuard",
+    "CompileSummary",
+    "CompiledPlan",
+    "Plan",
+    "PlanCompiler",
+    "RuntimeCompileError",
+    "Segment",
+    "abstract",
+    "batch_ladder",
+    "choose_bucket",
+    "explicit_ladder",
+    "padding_waste",
+    "run_eager",
+    "token_ladder",
+]

@@ -1,0 +1,1 @@
+"""Pallas kernels, each beside a pure-JAX reference of the same function (`*_ref` modules)."""

@@ -1,0 +1,19 @@
+"""Model definitions and checkpoint loading.
+
+The loader (and with it gguf and orbax) is imported on first use of ``load_model`` /
+``LoadedModel``, so importing a model definition stays cheap.
+"""
+
+from typing import Any
+
+from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
+
+__all__ = ["DenseKVCache", "LlamaConfig", "LlamaForCausalLM", "LoadedModel", "load_model"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LoadedModel", "load_model"):
+        from tokenspeed_jax.models import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

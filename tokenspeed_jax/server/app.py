@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP app: routes, request flow, streaming and disconnect handling.
+
+One path for every generation request: validate the body (pydantic), turn it into prompts and
+``SamplingParams`` with the pure functions of ``translate``, start one engine request per
+(prompt, sample), then either stream Server-Sent Events or collect one JSON response.
+
+Invariants:
+
+* Until the engine is attached (start-up compilation) every API route answers 503.
+* A client that disconnects, mid-stream or while waiting for a full response, aborts its engine
+  requests, so their KV pages are freed at the next engine step.
+* Bad input is answered with a 4xx in the one error shape of ``errors``; it never reaches the
+  engine loop, so other requests are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from tokenspeed_jax.engine.engine import AsyncEngine, child_params
+from tokenspeed_jax.engine.request import RequestOutput
+from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.server import translate
+from tokenspeed_jax.server.errors import APIError, install_error_handlers
+from tokenspeed_jax.server.metrics import ServerMetrics
+from tokenspeed_jax.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+DISCONNECT_POLL_SECONDS = 0.2
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes serve from; ``engine`` stays None while the model compiles."""
+
+    served_model_name: str
+    engine: AsyncEngine | None = None
+    runner_stats: Callable[[], dict] | None = None
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One engine request behind one choice of the response."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    first_token: float | None = None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    metrics = ServerMetrics(lambda: _gauges(state))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="tokenspeed_jax", lifespan=lifespan)
+    app.state.server = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    def ready_engine(model: str | None = None) -> AsyncEngine:
+        if state.engine is None:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
+                           "the server is starting (compiling executables); retry shortly")
+        if not state.engine.alive:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine has stopped")
+        if model is not None and model != state.served_model_name:
+            raise APIError(HTTPStatus.NOT_FOUND,
+                           f"the model {model!r} does not exist; this server serves "
+                           f"{state.served_model_name!r}", param="model", code="model_not_found")
+        return state.engine
+
+    @app.get("/health")
+    async def health() -> dict:
+        ready_engine()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        engine = ready_engine()
+        card = ModelCard(id=state.served_model_name, max_model_len=engine.engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = ready_engine(body.model)
+        tokenizer = engine.engine.tokenizer
+        prompt_ids = translate.chat_prompt_ids(tokenizer, body)
+        params = translate.chat_params(body)
+        formatter = translate.ChatFormatter(
+            f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, tokenizer, body
+        )
+        return await _respond(request, engine, metrics, [prompt_ids], params, body.stream,
+                              formatter, "messages")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        engine = ready_engine(body.model)
+        tokenizer = engine.engine.tokenizer
+        prompts = translate.completion_prompt_ids(tokenizer, body)
+        params = translate.completion_params(body)
+        formatter = translate.CompletionFormatter(
+            f"cmpl-{uuid.uuid4().hex}", state.served_model_name, tokenizer, body
+        )
+        return await _respond(request, engine, metrics, prompts, params, body.stream,
+                              formatter, "prompt")
+
+    return app
+
+
+def _gauges(state: ServerState) -> dict[str, tuple[str, float]]:
+    if state.engine is None:
+        return {"tokenspeed_ready": ("1 once the engine serves requests.", 0.0)}
+    stats = state.engine.engine.stats()
+    queried = stats["prefix_query_tokens"]
+    gauges = {
+        "tokenspeed_ready": ("1 once the engine serves requests.", 1.0),
+        "tokenspeed_num_requests_running": ("Requests holding KV pages.", stats["num_running"]),
+        "tokenspeed_num_requests_waiting": ("Requests queued.", stats["num_waiting"]),
+        "tokenspeed_kv_pages_used": ("KV pages in use.", stats["kv_pages_used"]),
+        "tokenspeed_kv_pages_total": ("KV pages in the cache.", stats["kv_pages_total"]),
+        "tokenspeed_kv_cache_usage_ratio": (
+            "Fraction of KV pages in use.", stats["kv_pages_used"] / stats["kv_pages_total"]
+        ),
+        "tokenspeed_prefix_cache_hit_rate": (
+            "Prompt tokens served from the prefix cache / prompt tokens admitted.",
+            stats["prefix_hit_tokens"] / queried if queried else 0.0,
+        ),
+        "tokenspeed_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.",
+                                               stats["prefix_hit_tokens"]),
+        "tokenspeed_num_preemptions": ("Requests preempted by recompute.",
+                                       stats["num_preemptions"]),
+        "tokenspeed_engine_steps": ("Engine steps run.", stats["num_steps"]),
+    }
+    if state.runner_stats is not None:
+        for key, value in state.runner_stats().items():
+            if isinstance(value, (int, float)):
+                gauges[f"tokenspeed_{key}"] = (f"Model runner statistic {key}.", float(value))
+    return gauges
+
+
+def _start(
+    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, param_name: str
+) -> list[_Choice]:
+    choices = []
+    for i, prompt_ids in enumerate(prompts):
+        try:
+            engine.engine.check_prompt(prompt_ids)
+        except ValueError as error:
+            code = "context_length_exceeded" if "context length" in str(error) else None
+            raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=param_name,
+                           code=code) from error
+        for j in range(params.n):
+            choices.append(_Choice(
+                index=i * params.n + j,
+                request_id=uuid.uuid4().hex,
+                prompt_ids=prompt_ids,
+                params=child_params(params, j),
+                arrival=time.monotonic(),
+            ))
+    return choices
+
+
+async def _merged(
+    engine: AsyncEngine, choices: list[_Choice], metrics: ServerMetrics
+) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+    """Every choice's outputs as they come; leaving early cancels (and so aborts) them all."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: _Choice) -> None:
+        last: RequestOutput | None = None
+        try:
+            async for output in engine.generate(choice.request_id, choice.prompt_ids,
+                                                choice.params):
+                if choice.first_token is None and output.new_token_ids:
+                    choice.first_token = time.monotonic()
+                last = output
+                await events.put((choice, output))
+        except Exception as error:  # noqa: BLE001 - handed to the consumer below
+            await events.put(error)
+        finally:
+            finished = last is not None and last.finished
+            metrics.observe_request(
+                finish_reason=last.finish_reason if finished else "abort",
+                num_prompt_tokens=len(choice.prompt_ids),
+                num_output_tokens=last.num_output_tokens if last is not None else 0,
+                arrival=choice.arrival,
+                first_token=choice.first_token,
+                end=time.monotonic(),
+            )
+            events.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            event = await events.get()
+            if event is None:
+                remaining -= 1
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _respond(
+    request: Request,
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stream: bool,
+    formatter: translate.Formatter,
+    param_name: str,
+):
+    choices = _start(engine, prompts, params, param_name)
+    usage_prompt = sum(len(p) for p in prompts)
+    if stream:
+        return StreamingResponse(
+            _sse(_merged(engine, choices, metrics), formatter, choices, usage_prompt),
+            media_type="text/event-stream",
+        )
+    collect = asyncio.ensure_future(_collect(_merged(engine, choices, metrics), formatter,
+                                             choices, usage_prompt))
+    while not collect.done():
+        await asyncio.wait({collect}, timeout=DISCONNECT_POLL_SECONDS)
+        if not collect.done() and await request.is_disconnected():
+            collect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            return JSONResponse({}, status_code=499)
+    return JSONResponse(collect.result())
+
+
+async def _collect(events, formatter, choices: list[_Choice], usage_prompt: int) -> dict:
+    per_choice: dict[int, list[RequestOutput]] = {c.index: [] for c in choices}
+    async with contextlib.aclosing(events):
+        async for choice, output in events:
+            per_choice[choice.index].append(output)
+    return formatter.full(per_choice, usage_prompt)
+
+
+async def _sse(events, formatter, choices: list[_Choice], usage_prompt: int):
+    completion_tokens = 0
+    async with contextlib.aclosing(events):
+        for chunk in formatter.opening([c.index for c in choices]):
+            yield _event(chunk)
+        async for choice, output in events:
+            completion_tokens += len(output.new_token_ids)
+            chunk = formatter.chunk(choice.index, output)
+            if chunk is not None:
+                yield _event(chunk)
+    if formatter.include_usage:
+        yield _event(formatter.usage_chunk(usage_prompt, completion_tokens))
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
