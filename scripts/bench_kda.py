@@ -1,7 +1,7 @@
 """Check the KDA Pallas kernels against the pure-JAX reference on the GPU, then time them beside
 fla's Triton kernels (`chunk_kda`, `fused_recurrent_kda`) at H=32, K=V=128, bf16.
 
-    python3 scripts/bench_kda.py [--out DIR] [--skip-fla]
+    python3 scripts/bench_kda.py [--out DIR] [--skip-fla] [--budget-s SECONDS]
 
 Checks (fp32 and bf16): ragged packed prefill with GVA, states from a pool, a padded request and
 a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm. Each reports
@@ -9,12 +9,17 @@ a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm. Each
 Timings: prefill at T = 2048, 8192, 32768 (one sequence) and 16 x 1024 packed; decode at batch
 1, 64, 256. Our decode runs many steps inside one compiled program (as in the engine), so it pays
 no per-call dispatch; fla's numbers are `triton.testing.do_bench` medians of its Python call.
-Every result is printed as a JSON line and appended to DIR/bench_kda.jsonl as it comes.
+Variants of our prefill (other ChunkConfig settings, the row-by-row per-chunk kernel) are timed
+at T=8192, and 32 x 1024 packed beside T=32768 shows what the serial state scan costs.
+Items run most important first; once --budget-s has passed, the rest are logged as skipped, so a
+run under a hard time limit still ends with its table. Every result is printed as a JSON line and
+appended to DIR/bench_kda.jsonl as it comes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import time
@@ -28,7 +33,14 @@ from tokenspeed_jax.kernels import kda, kda_decode, kda_ref
 
 H, K, V = 32, 128, 128
 PREFILL_CASES = {"T=2048": [2048], "T=8192": [8192], "T=32768": [32768], "16x1024": [1024] * 16}
+SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parallel
 DECODE_BATCHES = (1, 64, 256)
+VARIANTS = {  # our prefill under other settings, timed at T=8192
+    "pallas-blocked": kda.ChunkConfig(intra="blocked", key_split=16, intra_num_warps=4),
+    "pallas-blocked-warps8": kda.ChunkConfig(intra="blocked", key_split=16),
+    "pallas-block_v16": kda.ChunkConfig(block_v=16),
+    "pallas-warps4": kda.ChunkConfig(intra_num_warps=4),
+}
 
 
 class Log:
@@ -63,75 +75,92 @@ def rel_err(x, ref):
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def check(log: Log):
-    lengths = [1, 63, 64, 65, 1000, 300]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    slots = np.array([5, 0, 3, 1, 2, -1], np.int32)
-    heads, value_heads = 4, 8
-    for dtype, tol in ((jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)):
-        name = jnp.dtype(dtype).name
-        inputs = random_inputs(jax.random.key(0), int(cu[-1]) + 17, heads, value_heads, dtype)
-        f32_inputs = [x.astype(jnp.float32) for x in inputs]
-        pool = jax.random.normal(jax.random.key(1), (8, value_heads, K, V), jnp.float32)
-        init = jnp.where((slots >= 0)[:, None, None, None], pool[np.maximum(slots, 0)], 0.0)
-        o_ref, s_ref = kda_ref.chunk_kda_reference(
-            *[x[None] for x in f32_inputs], initial_state=init, output_final_state=True,
-            cu_seqlens=cu)
-        o_ref = o_ref[0]
-        real = slots >= 0
-        ckpt_req = 4  # the 1000-token request checkpoints after 512 tokens into slot 7
+CHECK_LENGTHS = (1, 63, 64, 65, 1000, 300)
+CHECK_SLOTS = np.array([5, 0, 3, 1, 2, -1], np.int32)  # the last request is padding
+CHECK_HEADS, CHECK_VALUE_HEADS = 4, 8
+TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}
+
+
+def check_prefill(kernel: str, dtype) -> dict:
+    """Ragged GVA prefill from a pool, with a padded request and (chunk kernel) a checkpoint."""
+    slots, real = CHECK_SLOTS, CHECK_SLOTS >= 0
+    cu = np.concatenate([[0], np.cumsum(CHECK_LENGTHS)]).astype(np.int32)
+    inputs = random_inputs(jax.random.key(0), int(cu[-1]) + 17, CHECK_HEADS, CHECK_VALUE_HEADS,
+                           dtype)
+    f32_inputs = [x.astype(jnp.float32) for x in inputs]
+    pool = jax.random.normal(jax.random.key(1), (8, CHECK_VALUE_HEADS, K, V), jnp.float32)
+    init = jnp.where(real[:, None, None, None], pool[np.maximum(slots, 0)], 0.0)
+    o_ref, s_ref = kda_ref.chunk_kda_reference(
+        *[x[None] for x in f32_inputs], initial_state=init, output_final_state=True,
+        cu_seqlens=cu)
+    requests = np.arange(len(CHECK_LENGTHS))
+    ckpt_req = 4  # the 1000-token request checkpoints after 512 tokens into slot 7
+    offsets = np.where(requests == ckpt_req, 512, 0).astype(np.int32)
+    ckpt_slots = np.where(requests == ckpt_req, 7, -1).astype(np.int32)
+    if kernel == "chunk":
+        o, new_pool = kda.chunk_kda_prefill(
+            *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu), jnp.asarray(offsets),
+            jnp.asarray(ckpt_slots))
+    else:
+        o, new_pool = kda.fused_recurrent_kda_pool(
+            *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu))
+    new_pool = np.asarray(new_pool)
+    row = {
+        "o": rel_err(o[: cu[-1]], o_ref[0, : cu[-1]]),
+        "state": rel_err(new_pool[slots[real]], s_ref[real]),
+        "padded_untouched": bool(np.array_equal(new_pool[[4, 6]], np.asarray(pool)[[4, 6]])),
+    }
+    if kernel == "chunk":
         lo = int(cu[ckpt_req])
         _, s_ckpt = kda_ref.chunk_kda_reference(
             *[x[None, lo:lo + 512] for x in f32_inputs], initial_state=init[ckpt_req][None],
             output_final_state=True)
-        offsets = np.where(np.arange(len(lengths)) == ckpt_req, 512, 0).astype(np.int32)
-        ckpt_slots = np.where(np.arange(len(lengths)) == ckpt_req, 7, -1).astype(np.int32)
-        for kernel in ("chunk", "recurrent"):
-            try:
-                if kernel == "chunk":
-                    o, new_pool = kda.chunk_kda_prefill(
-                        *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu),
-                        jnp.asarray(offsets), jnp.asarray(ckpt_slots))
-                else:
-                    o, new_pool = kda.fused_recurrent_kda_pool(
-                        *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu))
-                new_pool = np.asarray(new_pool)
-                row = dict(
-                    check=f"prefill_{kernel}", dtype=name,
-                    o=rel_err(o[: cu[-1]], o_ref[: cu[-1]]),
-                    state=rel_err(new_pool[slots[real]], s_ref[real]),
-                    padded_untouched=bool(np.array_equal(new_pool[[4, 6]], np.asarray(pool)[[4, 6]])),
-                )
-                if kernel == "chunk":
-                    row["checkpoint"] = rel_err(new_pool[7], s_ckpt[0])
-                errs = [row["o"], row["state"], row.get("checkpoint", 0.0)]
-                row["ok"] = bool(all(e < tol for e in errs) and row["padded_untouched"])
-                log(**row)
-            except Exception:  # one failing kernel must not hide the others' results
-                log(check=f"prefill_{kernel}", dtype=name, error=traceback.format_exc()[-2000:])
-        try:
-            n = 64
-            q, k, v, g_raw, beta = random_inputs(jax.random.key(2), n, heads, value_heads, dtype)
-            a_log = jax.random.normal(jax.random.key(3), (value_heads,)) * 0.5
-            dt_bias = jax.random.normal(jax.random.key(4), (value_heads * K,))
-            dec_slots = jnp.arange(n, dtype=jnp.int32).at[3].set(-1)
-            dec_pool = jax.random.normal(jax.random.key(5), (n, value_heads, K, V), jnp.float32)
-            init = jnp.where((dec_slots >= 0)[:, None, None, None], dec_pool, 0.0)
-            o_ref, s_ref = kda_ref.recurrent_kda_reference(
-                *[x.astype(jnp.float32)[:, None] for x in (q * 3, k * 3, v, g_raw, beta)],
-                initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias)
-            o, new_pool = kda_decode.kda_decode(
-                q * 3, k * 3, v, g_raw, beta, jnp.array(dec_pool), dec_slots, a_log, dt_bias,
-                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
-            keep = np.asarray(dec_slots) >= 0
-            row = dict(check="decode_gate_l2norm", dtype=name, o=rel_err(o, o_ref[:, 0]),
-                       state=rel_err(np.asarray(new_pool)[keep], s_ref[keep]),
-                       padded_untouched=bool(np.array_equal(new_pool[3], dec_pool[3])))
-            row["ok"] = bool(row["o"] < tol and row["state"] < tol and row["padded_untouched"])
-            log(**row)
-        except Exception:
-            log(check="decode_gate_l2norm", dtype=name, error=traceback.format_exc()[-2000:])
+        row["checkpoint"] = rel_err(new_pool[7], s_ckpt[0])
+    errors = [row["o"], row["state"], row.get("checkpoint", 0.0)]
+    row["ok"] = bool(all(e < TOLERANCE[jnp.dtype(dtype).name] for e in errors)
+                     and row["padded_untouched"])
+    return row
+
+
+def check_decode(dtype) -> dict:
+    """Decode with the fused gate and L2 norm, 64 requests, one of them padding."""
+    n, value_heads = 64, CHECK_VALUE_HEADS
+    q, k, v, g_raw, beta = random_inputs(jax.random.key(2), n, CHECK_HEADS, value_heads, dtype)
+    q, k = q * 3, k * 3
+    a_log = jax.random.normal(jax.random.key(3), (value_heads,)) * 0.5
+    dt_bias = jax.random.normal(jax.random.key(4), (value_heads * K,))
+    slots = jnp.arange(n, dtype=jnp.int32).at[3].set(-1)
+    pool = jax.random.normal(jax.random.key(5), (n, value_heads, K, V), jnp.float32)
+    init = jnp.where((slots >= 0)[:, None, None, None], pool, 0.0)
+    o_ref, s_ref = kda_ref.recurrent_kda_reference(
+        *[x.astype(jnp.float32)[:, None] for x in (q, k, v, g_raw, beta)],
+        initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias)
+    o, new_pool = kda_decode.kda_decode(
+        q, k, v, g_raw, beta, jnp.array(pool), slots, a_log, dt_bias,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    keep = np.asarray(slots) >= 0
+    row = {"o": rel_err(o, o_ref[:, 0]),
+           "state": rel_err(np.asarray(new_pool)[keep], s_ref[keep]),
+           "padded_untouched": bool(np.array_equal(new_pool[3], pool[3]))}
+    tol = TOLERANCE[jnp.dtype(dtype).name]
+    row["ok"] = bool(row["o"] < tol and row["state"] < tol and row["padded_untouched"])
+    return row
+
+
+def checks(kernels, dtypes):
+    """(labels, measure) items checking `kernels` in each of `dtypes`."""
+    items = []
+    for dtype in dtypes:
+        name = jnp.dtype(dtype).name
+        for kernel in kernels:
+            if kernel == "decode":
+                items.append(({"check": "decode_gate_l2norm", "dtype": name},
+                              functools.partial(check_decode, dtype)))
+            else:
+                items.append(({"check": f"prefill_{kernel}", "dtype": name},
+                              functools.partial(check_prefill, kernel, dtype)))
+    return items
 
 
 def wall_ms(fn, repeats=5):
@@ -145,92 +174,127 @@ def wall_ms(fn, repeats=5):
     return float(np.median(times))
 
 
-def bench_ours(log: Log):
-    for case, lengths in PREFILL_CASES.items():
-        try:
-            cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-            inputs = random_inputs(jax.random.key(6), int(cu[-1]), H, H, jnp.bfloat16)
-            n = len(lengths)
-            state = {"pool": jnp.zeros((n, H, K, V), jnp.float32)}
-            slots = jnp.arange(n, dtype=jnp.int32)
-            calls = 10
-
-            def run():
-                for _ in range(calls):
-                    o, state["pool"] = kda.chunk_kda_prefill(
-                        *inputs, state["pool"], slots, cu, use_qk_l2norm_in_kernel=True)
-                o.block_until_ready()
-
-            ms = wall_ms(run) / calls
-            log(bench="prefill", case=case, impl="pallas", ms=ms)
-        except Exception:
-            log(bench="prefill", case=case, impl="pallas", error=traceback.format_exc()[-2000:])
-    for batch in DECODE_BATCHES:
-        try:
-            q, k, v, g, beta = random_inputs(jax.random.key(7), batch, H, H, jnp.bfloat16)
-            slots = jnp.arange(batch, dtype=jnp.int32)
-            steps = 200
-
-            @jax.jit
-            def many_steps(pool):
-                def step(_, pool):
-                    return kda_decode.kda_decode(q, k, v, g, beta, pool, slots,
-                                                 use_qk_l2norm_in_kernel=True)[1]
-
-                return jax.lax.fori_loop(0, steps, step, pool)
-
-            pool = jnp.zeros((batch, H, K, V), jnp.float32)
-            us = wall_ms(lambda: many_steps(pool).block_until_ready()) / steps * 1e3
-            log(bench="decode", case=f"batch={batch}", impl="pallas", us=us)
-        except Exception:
-            log(bench="decode", case=f"batch={batch}", impl="pallas",
-                error=traceback.format_exc()[-2000:])
+def guarded(log: Log, measure, **labels):
+    """Logs measure()'s fields, or its traceback: one failing case must not hide the others."""
+    try:
+        log(**labels, **measure())
+    except Exception:  # noqa: BLE001
+        log(**labels, error=traceback.format_exc()[-2000:])
 
 
-def bench_fla(log: Log):
+def prefill_ours(lengths, config: kda.ChunkConfig | None = None, calls=5):
+    config = config or kda.ChunkConfig()
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    inputs = random_inputs(jax.random.key(6), int(cu[-1]), H, H, jnp.bfloat16)
+    slots = jnp.arange(len(lengths), dtype=jnp.int32)
+    state = {"pool": jnp.zeros((len(lengths), H, K, V), jnp.float32)}
+
+    def run():
+        for _ in range(calls):
+            o, state["pool"] = kda.chunk_kda_prefill(
+                *inputs, state["pool"], slots, cu, use_qk_l2norm_in_kernel=True, config=config)
+        o.block_until_ready()
+
+    return {"ms": wall_ms(run, repeats=3) / calls}
+
+
+def decode_ours(batch, steps=100):
+    q, k, v, g, beta = random_inputs(jax.random.key(7), batch, H, H, jnp.bfloat16)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+
+    @jax.jit
+    def many_steps(pool):
+        def step(_, pool):
+            return kda_decode.kda_decode(q, k, v, g, beta, pool, slots,
+                                         use_qk_l2norm_in_kernel=True)[1]
+
+        return jax.lax.fori_loop(0, steps, step, pool)
+
+    pool = jnp.zeros((batch, H, K, V), jnp.float32)
+    return {"us": wall_ms(lambda: many_steps(pool).block_until_ready(), repeats=3) / steps * 1e3}
+
+
+def prefill_fla(lengths):
     import torch
     import triton
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from fla.ops.kda import chunk_kda
 
-    dev = "cuda"
-    for case, lengths in PREFILL_CASES.items():
-        try:
-            n, total = len(lengths), sum(lengths)
-            cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long, device=dev)
-            q = torch.randn(1, total, H, K, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(1, total, H, K, device=dev, dtype=torch.bfloat16)
-            v = torch.randn(1, total, H, V, device=dev, dtype=torch.bfloat16)
-            g = -torch.nn.functional.softplus(torch.randn(1, total, H, K, device=dev) - 1.0)
-            beta = torch.rand(1, total, H, device=dev, dtype=torch.bfloat16)
-            h0 = torch.zeros(n, H, K, V, device=dev)
-            ms = triton.testing.do_bench(
-                lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu),
-                return_mode="median")
-            log(bench="prefill", case=case, impl="fla", ms=float(ms))
-        except Exception:
-            log(bench="prefill", case=case, impl="fla", error=traceback.format_exc()[-2000:])
-    for batch in DECODE_BATCHES:
-        try:
-            q = torch.randn(batch, 1, H, K, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(batch, 1, H, K, device=dev, dtype=torch.bfloat16)
-            v = torch.randn(batch, 1, H, V, device=dev, dtype=torch.bfloat16)
-            g = -torch.nn.functional.softplus(torch.randn(batch, 1, H, K, device=dev))
-            beta = torch.rand(batch, 1, H, device=dev, dtype=torch.bfloat16)
-            h0 = torch.zeros(batch, H, K, V, device=dev)
-            ms = triton.testing.do_bench(
-                lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0,
-                                            output_final_state=True,
-                                            use_qk_l2norm_in_kernel=True),
-                return_mode="median")
-            log(bench="decode", case=f"batch={batch}", impl="fla", us=float(ms) * 1e3)
-        except Exception:
-            log(bench="decode", case=f"batch={batch}", impl="fla",
-                error=traceback.format_exc()[-2000:])
+    n, total = len(lengths), sum(lengths)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long, device="cuda")
+    q, k, v = (torch.randn(1, total, H, K, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+    g = -torch.nn.functional.softplus(torch.randn(1, total, H, K, device="cuda") - 1.0)
+    beta = torch.rand(1, total, H, device="cuda", dtype=torch.bfloat16)
+    h0 = torch.zeros(n, H, K, V, device="cuda")
+    ms = triton.testing.do_bench(
+        lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu),
+        return_mode="median")
+    return {"ms": float(ms)}
+
+
+def decode_fla(batch):
+    import torch
+    import triton
+    from fla.ops.kda import fused_recurrent_kda
+
+    q, k, v = (torch.randn(batch, 1, H, K, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+    g = -torch.nn.functional.softplus(torch.randn(batch, 1, H, K, device="cuda"))
+    beta = torch.rand(batch, 1, H, device="cuda", dtype=torch.bfloat16)
+    h0 = torch.zeros(batch, H, K, V, device="cuda")
+    ms = triton.testing.do_bench(
+        lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True),
+        return_mode="median")
+    return {"us": float(ms) * 1e3}
+
+
+def timings(impl: str, prefill, decode, prefill_cases, decode_batches):
+    """(labels, measure) items timing one implementation."""
+    items = [({"bench": "prefill", "case": case, "impl": impl},
+              functools.partial(prefill, {**PREFILL_CASES, **SCAN_CASE}[case]))
+             for case in prefill_cases]
+    items += [({"bench": "decode", "case": f"batch={batch}", "impl": impl},
+               functools.partial(decode, batch)) for batch in decode_batches]
+    return items
+
+
+def plan(with_fla: bool):
+    """Every item, most important first. Compiles dominate a run (minutes for the fp32 prefill),
+    so the fp32 checks come after the bf16 timings."""
+    items = checks(["chunk"], [jnp.bfloat16])
+    items += timings("pallas", prefill_ours, decode_ours, PREFILL_CASES, ())
+    if with_fla:
+        items += timings("fla", prefill_fla, decode_fla, PREFILL_CASES, DECODE_BATCHES)
+    items += timings("pallas", prefill_ours, decode_ours, (), DECODE_BATCHES)
+    for impl, config in VARIANTS.items():
+        items += timings(impl, functools.partial(prefill_ours, config=config), None,
+                         ("T=8192",), ())
+    items += timings("pallas", prefill_ours, None, SCAN_CASE, ())
+    items += checks(["chunk"], [jnp.float32])
+    items += checks(["recurrent", "decode"], [jnp.bfloat16, jnp.float32])
+    return items
+
+
+def run_plan(log: Log, items, budget_s: float):
+    start = time.perf_counter()
+    for labels, measure in items:
+        if time.perf_counter() - start > budget_s:
+            log(**labels, skipped=f"past the {budget_s:.0f} s budget")
+        else:
+            guarded(log, measure, **labels)
 
 
 def summary(log: Log) -> str:
-    lines = ["| kind | case | ours | fla | fla / ours |", "|---|---|---|---|---|"]
+    checked = [r for r in log.rows if "check" in r]
+    lines = ["| check | dtype | errors | ok |", "|---|---|---|---|"]
+    for r in checked:
+        errors = " / ".join(f"{key} {r[key]:.2g}" for key in ("o", "state", "checkpoint")
+                            if isinstance(r.get(key), float))
+        lines.append(f"| {r['check']} | {r['dtype']} | {errors or '-'} | "
+                     f"{r.get('ok', 'error' if 'error' in r else 'skipped')} |")
+    impls = list(dict.fromkeys(r["impl"] for r in log.rows if "impl" in r))
+    lines += ["", "| kind | case | " + " | ".join(impls) + " | fla / pallas |",
+              "|---|---|" + "---|" * (len(impls) + 1)]
     for kind, unit in (("prefill", "ms"), ("decode", "us")):
         cases = dict.fromkeys(r["case"] for r in log.rows if r.get("bench") == kind)
         for case in cases:
@@ -238,8 +302,8 @@ def summary(log: Log) -> str:
                    if r.get("bench") == kind and r["case"] == case}
             ours, fla = got.get("pallas"), got.get("fla")
             ratio = f"{fla / ours:.2f}x" if ours and fla else "-"
-            fmt = (lambda x: "-" if x is None else f"{x:.3g} {unit}")  # noqa: E731
-            lines.append(f"| {kind} | {case} | {fmt(ours)} | {fmt(fla)} | {ratio} |")
+            shown = ["-" if got.get(i) is None else f"{got[i]:.3g} {unit}" for i in impls]
+            lines.append(f"| {kind} | {case} | " + " | ".join(shown) + f" | {ratio} |")
     return "\n".join(lines)
 
 
@@ -247,13 +311,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     parser.add_argument("--skip-fla", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no item after this many seconds")
     args = parser.parse_args()
     log = Log(args.out)
     log(device=str(jax.devices()[0]), jax=jax.__version__)
-    check(log)
-    bench_ours(log)
-    if not args.skip_fla:
-        bench_fla(log)
+    run_plan(log, plan(with_fla=not args.skip_fla), args.budget_s)
     table = summary(log)
     (args.out / "bench_kda.md").write_text(table + "\n")
     print(table)

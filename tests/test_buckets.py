@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tokenspeed_jax.config import EngineConfig
@@ -17,7 +19,7 @@ from tokenspeed_jax.graph.buckets import (
 def test_token_ladder_rungs_follow_the_step_rule():
     ladder = token_ladder(8192)
     assert ladder[0] == 16 and ladder[-1] == 8192
-    for low, high in zip(ladder, ladder[1:]):
+    for low, high in itertools.pairwise(ladder):
         power = 1
         while power * 2 <= low / 8:
             power *= 2

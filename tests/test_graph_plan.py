@@ -4,6 +4,7 @@ compile guard, fatal start-up failures, plan validation, and the docs example.""
 from __future__ import annotations
 
 import re
+import runpy
 from pathlib import Path
 
 import jax
@@ -21,6 +22,7 @@ from tokenspeed_jax.graph import (
     RuntimeCompileError,
     Segment,
     run_eager,
+    whole_forward,
 )
 
 WIDTH = 8
@@ -132,10 +134,23 @@ def test_wrong_shape_at_replay_is_an_error_not_a_compile(compiled):
     guard = CompileGuard(strict=True)
     guard.arm()
     x = jax.device_put(np.ones((17, WIDTH), np.float32))
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(TypeError, match=r"float32\[17, 8\].*float32\[16, 8\]"):
         plans["rows=16"].run({"x": x}, {"scale": {"factor": np.ones(16, np.float32)}})
+    x = jax.device_put(np.ones((16, WIDTH), np.float32))
+    with pytest.raises(TypeError, match="metadata"):
+        plans["rows=16"].run({"x": x}, {"scale": {"factor": np.ones(16, np.int32)}})
     guard.disarm()
     assert guard.runtime_compiles == 0
+
+
+def test_whole_forward_jit_matches_compiled_plan(compiled):
+    plans, _ = compiled
+    x = np.random.default_rng(5).normal(size=(16, WIDTH)).astype(np.float32)
+    meta = {"scale": {"factor": np.full(16, 0.5, np.float32)}}
+    fn, params = whole_forward(PLAN, donate=("x",))
+    whole = fn(params, {"x": jnp.asarray(x)}, meta)["x"]
+    segmented = plans["rows=16"].run({"x": jax.device_put(x)}, meta)["x"]
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(segmented), rtol=1e-5, atol=1e-6)
 
 
 def test_start_up_failure_names_segment_and_bucket():
@@ -158,7 +173,8 @@ def test_plan_rejects_reading_a_donated_value():
         Segment("bad", block, ("x",), ("x",), donate=("z",))
 
 
-def test_docs_example_runs():
+def test_docs_example_runs(tmp_path):
     text = (Path(__file__).parents[1] / "docs" / "graph.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    exec(compile(code, "docs/graph.md", "exec"), {})
+    script = tmp_path / "graph_example.py"
+    script.write_text(re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1))
+    runpy.run_path(str(script), run_name="__main__")

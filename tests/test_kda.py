@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenspeed_jax.kernels import kda, kda_ref
+from tokenspeed_jax.kernels import kda, kda_intra, kda_ref
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "kda_naive.npz"
 H, HV, K, V = 1, 2, 16, 16  # GVA: two value heads share one query/key head
@@ -159,6 +159,36 @@ def test_prefill_checkpoints_at_several_granularities(ragged_batch):
         _, s_ref = reference(prefix, np.array([0, offsets[n]]), init)
         np.testing.assert_allclose(new_pool[ckpt_slots[n]], s_ref[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(new_pool[[6, 8]], np.asarray(pool)[[6, 8]])
+
+
+def test_unit_lower_inverse_matches_numpy():
+    rng = np.random.default_rng(7)
+    strict = np.tril(rng.uniform(-1.0, 1.0, (16, 16)), -1).astype(np.float32)
+    got = kda_intra.unit_lower_inverse(jnp.asarray(strict))
+    expected = np.linalg.inv(np.eye(16) + strict.astype(np.float64))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("intra", ["blocked", "substitution"])
+def test_per_chunk_variants_match_reference_with_split_keys(intra):
+    rng = np.random.default_rng(8)
+    wide = 32  # two key slices of 16 in the exact in-sub-block products
+    cu = np.array([0, 70, 200], np.int32)
+    q = rng.standard_normal((200, 1, wide)).astype(np.float32)
+    k = rng.standard_normal((200, 1, wide)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((200, 2, wide)).astype(np.float32)
+    g = -rng.uniform(0.0, 1.0, (200, 2, wide)).astype(np.float32)
+    g[rng.uniform(size=g.shape) < 0.05] = -100.0
+    beta = rng.uniform(0.05, 1.0, (200, 2)).astype(np.float32)
+    inputs = tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
+    pool = jnp.asarray(rng.standard_normal((2, 2, wide, wide)).astype(np.float32))
+    o_ref, s_ref = reference(inputs, cu, pool)
+    o, new_pool = kda.chunk_kda_prefill(
+        *inputs, pool, jnp.array([0, 1], jnp.int32), jnp.asarray(cu), interpret=True,
+        config=kda.ChunkConfig(key_split=16, intra=intra))
+    assert rel_err(o, o_ref) < 1e-4
+    np.testing.assert_allclose(new_pool, s_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_recurrent_matches_chunk_with_initial_state():

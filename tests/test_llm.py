@@ -1,4 +1,8 @@
-"""The public API end to end: ``LLM`` on real checkpoints against transformers' golden outputs."""
+"""The public API end to end: ``LLM`` on real checkpoints against transformers' golden outputs.
+
+``LLM`` runs the serving engine (compiled segmented plans); its outputs are checked against
+transformers' and against the plain reference generator, with runtime compiles forbidden.
+"""
 
 import json
 from pathlib import Path
@@ -11,11 +15,23 @@ from tokenspeed_jax import LLM, SamplingParams
 GOLDEN = Path(__file__).parent / "golden"
 TINY_FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_tied"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+# Small bucket sets keep the start-up compile short; strict mode makes any later compile an error.
+ENGINE_OPTIONS = {
+    "prefill_graph_max_tokens": 256,
+    "prefill_graph_capture_token_sizes": (64, 256),
+    "prefill_graph_capture_batch_sizes": (1, 4),
+    "decode_graph_capture_batch_sizes": (1, 4),
+    "max_num_seqs": 4,
+    "max_model_len": 512,
+    "num_pages": 160,
+    "strict_no_compile": True,
+    "compile_progress": False,
+}
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
-    return LLM(None)
+    return LLM(None, **ENGINE_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +41,7 @@ def smollm2_golden() -> dict:
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
 def tiny(request) -> tuple[LLM, np.lib.npyio.NpzFile]:
-    return LLM(GOLDEN / request.param), np.load(GOLDEN / f"{request.param}.npz")
+    return LLM(GOLDEN / request.param, **ENGINE_OPTIONS), np.load(GOLDEN / f"{request.param}.npz")
 
 
 def test_smollm2_greedy_answers_match_transformers(smollm2, smollm2_golden):
@@ -37,6 +53,16 @@ def test_smollm2_greedy_answers_match_transformers(smollm2, smollm2_golden):
     for golden, out in zip(prompts, outs):
         assert out.prompt_token_ids == golden["prompt_ids"]
         assert out.token_ids == golden["generated_ids"]
+    assert smollm2.stats()["runtime_compiles"] == 0
+
+
+def test_engine_matches_reference_generator(smollm2, smollm2_golden):
+    prompts = [p["prompt_ids"] for p in smollm2_golden["prompts"]]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    engine = smollm2.generate(prompts, params)
+    reference = smollm2.reference.generate(prompts, [params] * len(prompts))
+    assert [o.token_ids for o in engine] == [o.token_ids for o in reference]
+    assert [o.text for o in engine] == [o.text for o in reference]
 
 
 def test_smollm2_knows_the_capital_of_france(smollm2):
@@ -108,7 +134,7 @@ def test_max_tokens_ends_with_length(tiny):
 @pytest.mark.parametrize("prompt, message", [
     ([], "empty"),
     ([5, 10_000_000], "outside the vocabulary"),
-    ([1] * 300, "context length"),
+    ([1] * 600, "context length"),
 ])
 def test_bad_prompts_raise_clear_errors(tiny, prompt, message):
     llm, _ = tiny

@@ -12,14 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tokenizers
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine import model_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.model_runner import ModelRunner, split_requests
+from tokenspeed_jax.engine.model_runner import ModelRunner, context_ladder, split_requests
 from tokenspeed_jax.graph import CompileError
+from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, DecodeKernel
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
+from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.tokenizer import Tokenizer
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -44,7 +49,8 @@ def model():
 def runner(model):
     runner = ModelRunner(model, ENGINE, num_pages=64, page_size=PAGE)
     runner.compile_all()
-    return runner
+    yield runner
+    runner.guard.disarm()
 
 
 class Pages:
@@ -85,8 +91,8 @@ def reference(model, runner, tokens):
 def paged_kv(runner, table, length):
     slots = np.arange(length)
     pages, rows = table[slots // PAGE], slots % PAGE
-    k = np.stack([np.asarray(p)[pages, rows] for p in runner.k_pages])
-    v = np.stack([np.asarray(p)[pages, rows] for p in runner.v_pages])
+    k = np.stack([np.asarray(p)[:, pages, rows].transpose(1, 0, 2) for p in runner.k_pages])
+    v = np.stack([np.asarray(p)[:, pages, rows].transpose(1, 0, 2) for p in runner.v_pages])
     return k, v
 
 
@@ -133,6 +139,7 @@ def test_buckets_come_from_the_config(runner):
     assert runner.buckets.tokens == (16, 32)
     assert runner.buckets.prefill_requests == (1, 2)
     assert runner.buckets.decode_requests == (1, 2)
+    assert runner.buckets.contexts == (0, 2 * MAX_LEN)  # fresh prompts, then 2 full contexts
 
 
 @pytest.mark.parametrize("lengths", [(5,), (16,), (23,), (7, 9), (3, 29)])
@@ -165,15 +172,15 @@ def test_prefix_pages_written_earlier_are_read(model, runner):
 
 
 def test_padding_never_writes_other_pages(model, runner):
-    untouched = [np.asarray(p)[0].copy() for p in runner.k_pages]  # page 0 is never allocated
+    untouched = [np.asarray(p)[:, 0].copy() for p in runner.k_pages]  # page 0: never allocated
     pages = Pages(first=40)
     tables, _ = generate(model, runner, pages, prompts(3, 3), steps=1)
     used = set(tables[0].tolist())
     for layer, before in zip(runner.k_pages, untouched):
         layer = np.asarray(layer)
-        np.testing.assert_array_equal(layer[0], before)
+        np.testing.assert_array_equal(layer[:, 0], before)
         others = [i for i in range(40, 64) if i not in used]
-        assert not np.any(layer[others])
+        assert not np.any(layer[:, others])
 
 
 def test_padded_batch_rows_do_not_change_real_rows(model, runner):
@@ -216,7 +223,7 @@ def test_kv_cache_is_donated_not_copied(runner):
     table = Pages(50).take(4)
     runner.step(StepBatch([request("z", [1, 2, 3], 0, table)]))
     assert old.is_deleted()
-    attention = runner._encoders[16, 1].calls[1]
+    attention = runner.encoder(16, 0).calls[1]
     assert attention.name == "attention"
     cache_bytes = 2 * old.size * old.dtype.itemsize
     assert attention.executable.memory_analysis().alias_size_in_bytes >= cache_bytes
@@ -234,7 +241,9 @@ def test_split_requests_keeps_positions_and_samples_last_piece():
 
 @pytest.fixture(scope="module")
 def eager_runner(model):
-    return ModelRunner(model, dataclasses.replace(ENGINE, enforce_eager=True), 64, PAGE)
+    runner = ModelRunner(model, dataclasses.replace(ENGINE, enforce_eager=True), 64, PAGE)
+    yield runner
+    runner.guard.disarm()
 
 
 def test_eager_route_matches_reference(model, eager_runner):
@@ -250,12 +259,14 @@ def test_no_chunking_runs_long_prompts_eagerly(model):
                                  prefill_graph_capture_batch_sizes=(1,), prefill_graph_max_bs=1)
     runner = ModelRunner(model, config, 64, PAGE)
     runner.compile_all()
-    pages = Pages()
-    (prompt,) = prompts(51, 40)
-    table = pages.take(40)
-    out = runner.step(StepBatch([request("a", prompt, 0, table)]))
-    check(model, runner, out.token_ids[0], out.logprobs[0], list(prompt), table)
-    assert runner.stats()["eager_runs"] == 1 and runner.stats()["runtime_compiles"] == 0
+    try:
+        (prompt,) = prompts(51, 40)
+        table = Pages().take(40)
+        out = runner.step(StepBatch([request("a", prompt, 0, table)]))
+        check(model, runner, out.token_ids[0], out.logprobs[0], list(prompt), table)
+        assert runner.stats()["eager_runs"] == 1 and runner.stats()["runtime_compiles"] == 0
+    finally:
+        runner.guard.disarm()
 
 
 def test_injected_compile_failure_aborts_start_up(model, monkeypatch):
@@ -283,3 +294,70 @@ def test_declared_unsupported_prefill_graph_is_honoured(model):
     runner = ModelRunner(stripped, ENGINE, 64, PAGE)
     assert runner.buckets.tokens == ()
     assert runner.buckets.decode_requests == (1, 2)
+
+
+def word_tokenizer() -> Tokenizer:
+    """A word-level tokenizer over the tiny vocabulary (the reference generator detokenizes)."""
+    vocab = {f"w{i}": i for i in range(CONFIG.vocab_size)}
+    return Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")))
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 1.8},
+    {"frequency_penalty": 1.5, "presence_penalty": 0.7},
+], ids=["repetition", "frequency+presence"])
+def test_penalties_match_reference_generator(model, runner, penalties):
+    """A penalized greedy request beside a plain one, prefill then five decode steps: the
+    runner's tokens equal ReferenceGenerator's (host counts through the same sampler)."""
+    steps = 6
+    penalized_params = SamplingParams(temperature=0.0, max_tokens=steps, **penalties)
+    plain_params = SamplingParams(temperature=0.0, max_tokens=steps)
+    prompt_list = prompts(61, 7, 12)
+    generator = ReferenceGenerator(model, word_tokenizer())
+    expected = [c.token_ids for c in generator.generate(prompt_list,
+                                                        [penalized_params, plain_params])]
+    unpenalized = generator.generate(prompt_list[:1], [plain_params])[0].token_ids
+    assert unpenalized != expected[0]  # the penalty changes this request's tokens
+
+    before = runner.stats()
+    pages = Pages()
+    tables = [pages.take(len(p) + steps) for p in prompt_list]
+    outputs: list[list[int]] = [[], []]
+    for step in range(steps):
+        batch = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, (penalized_params, plain_params))):
+            seq = [*prompt, *outputs[i]]
+            start = 0 if step == 0 else len(seq) - 1
+            batch.append(StepRequest(str(i), np.asarray(seq[start:], np.int32), start, tables[i],
+                                     True, params, list(outputs[i])))
+        out = runner.step(StepBatch(batch))
+        for i, token in enumerate(out.token_ids.tolist()):
+            outputs[i].append(token)
+    assert outputs == expected
+    after = runner.stats()
+    assert after["penalized_head_runs"] == before["penalized_head_runs"] + steps
+    assert after["decode_graph_runs"] == before["decode_graph_runs"]
+    assert after["runtime_compiles"] == 0 and after["eager_runs"] == before["eager_runs"]
+
+
+def test_pallas_decode_kernel_in_the_runner_matches_reference(model, monkeypatch):
+    """The decode executable built on the Pallas op (interpreted on the CPU) over the
+    ``[Hkv, pages, page_size, Dh]`` cache gives the reference forward's tokens."""
+    kernel = DecodeKernel(PALLAS, pages_per_compute_block=2, k_splits=2, interpret=True)
+    monkeypatch.setattr(model_runner, "choose_decode_kernel", lambda **_: kernel)
+    config = dataclasses.replace(ENGINE, decode_graph_capture_batch_sizes=(2,))
+    runner = ModelRunner(model, config, 64, PAGE)
+    assert runner.decode_kernel == kernel
+    runner.compile_all()
+    try:
+        generate(model, runner, Pages(), prompts(71, 9, 14), steps=3)
+        assert runner.stats()["decode_graph_runs"] == 3
+        assert runner.stats()["runtime_compiles"] == 0
+    finally:
+        runner.guard.disarm()
+
+
+def test_context_ladder_grows_by_four_up_to_the_top():
+    assert context_ladder(0) == (0,)
+    assert context_ladder(100) == (0, 100)
+    assert context_ladder(5000) == (0, 256, 1024, 4096, 5000)

@@ -2,7 +2,7 @@
 
 The server runs the tiny HF checkpoint on the real model runner with a deliberately small KV cache
 (24 pages of 8 tokens), so concurrent traffic forces preemption. Expected outputs come from
-``LLM.generate`` (the independent dense-cache reference generator), never from the server.
+the plain dense-cache reference generator, never from the server.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import uvicorn
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
-from tokenspeed_jax.llm import LLM
+from tokenspeed_jax.models.loader import load_model
+from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.server.app import ServerState, create_app
 
@@ -79,9 +80,28 @@ def server():
         yield url, bundle.engine
 
 
+class Reference:
+    """The expected outputs: the plain dense-cache generator on the same checkpoint, sharing no
+    code with the engine's scheduler, paged KV cache or compiled plans."""
+
+    def __init__(self, path: str) -> None:
+        loaded = load_model(path)
+        self.tokenizer = loaded.tokenizer
+        self._generator = ReferenceGenerator(loaded.model, loaded.tokenizer)
+
+    def generate(self, prompts, params):
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._generator.generate(ids, [params] * len(ids))
+
+    def chat(self, messages, params):
+        return self.generate(
+            [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)], params)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return LLM(MODEL_DIR)
+    return Reference(MODEL_DIR)
 
 
 @pytest.fixture(scope="module")

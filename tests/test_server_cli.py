@@ -57,7 +57,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits():
             assert time.monotonic() < deadline, "".join(lines)
             lines.append(process.stdout.readline())
         ready = next(line for line in lines if line.startswith("ready:"))
-        assert "executables compiled" in ready
+        assert "executables in" in ready and "compiled in" in ready
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True,
                 "temperature": 0, "stream": True}
         events = []

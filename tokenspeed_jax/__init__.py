@@ -17,7 +17,7 @@ _EXPORTS = {
     "Completion": "tokenspeed_jax.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "Completion", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

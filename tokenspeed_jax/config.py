@@ -40,6 +40,18 @@ class EngineConfig:
     max_model_len: int = 4096
     # Show a progress bar during the start-up compile.
     compile_progress: bool = True
+    # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
+    prefix_granularity: int = 64
+    # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
+    disable_kda_prefill_graph: bool = False
+    # Keep compiled executables on disk and load them on the next start instead of compiling.
+    compile_cache: bool = True
+    # Directory of that cache; None = $XDG_CACHE_HOME/tokenspeed_jax/executables
+    # (~/.cache/tokenspeed_jax/executables when XDG_CACHE_HOME is unset).
+    compile_cache_dir: str | None = None
+    # Devices the model is split over (tensor parallelism, one jax.sharding mesh axis); must
+    # divide the attention heads and not exceed the devices jax sees (docs/parallel.md).
+    tensor_parallel_size: int = 1
 
     # ---- serving: engine loop and HTTP server (owned by the engine/server) ----
     # The model: an HF directory, a GGUF file or an orbax directory; None = embedded SmolLM2.
@@ -82,6 +94,10 @@ class EngineConfig:
             (self.chunked_prefill_size >= 0,
              f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}"),
             (self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+            (self.prefix_granularity >= 64 and self.prefix_granularity % 64 == 0,
+             f"prefix_granularity must be a multiple of 64, got {self.prefix_granularity}"),
+            (self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -91,6 +107,15 @@ class EngineConfig:
     def prefill_graph_enabled(self) -> bool:
         return not (self.enforce_eager or self.disable_prefill_graph
                     or self.prefill_graph_max_tokens == 0)
+
+    @property
+    def compile_cache_path(self) -> str | None:
+        """The executable cache directory in use; None when the cache is off."""
+        if not self.compile_cache:
+            return None
+        from tokenspeed_jax.graph.cache import default_cache_dir
+
+        return self.compile_cache_dir or default_cache_dir()
 
     @property
     def prefill_token_limit(self) -> int:

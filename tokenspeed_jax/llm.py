@@ -1,5 +1,9 @@
 """``LLM``: the offline entry point. Load a model, then generate, score or chat.
 
+``LLM(model, **options)`` builds the same engine the server runs (segmented plans compiled at
+start-up, continuous batching over a paged KV cache); ``options`` are ``EngineConfig`` fields.
+``llm.reference`` is the plain dense-cache generator every fast path is tested against.
+
 Invariants: ``LLM(None)`` is the embedded default model (SmolLM2-135M-Instruct); a prompt is a
 string (tokenized without extra special tokens, as the model's own tokenizer would) or a list of
 token ids; results come back in the order of the prompts, ``n`` completions per prompt adjacent.
@@ -9,15 +13,14 @@ ValueError before any work starts.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from tokenspeed_jax.models.loader import load_model
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.engine import build_engine
 from tokenspeed_jax.outputs import Completion
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -27,17 +30,19 @@ Message = Mapping[str, Any]
 
 
 class LLM:
-    """A loaded model with its tokenizer, ready to generate."""
+    """A loaded model with its tokenizer and a ready engine."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "auto") -> None:
-        start = time.perf_counter()
-        loaded = load_model(model, dtype=dtype)
-        self.model = loaded.model
-        self.config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model_path = loaded.path
-        self.load_seconds = time.perf_counter() - start
-        self._reference = ReferenceGenerator(self.model, self.tokenizer)
+    def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
+        self.config = EngineConfig(model=None if model is None else os.fspath(model), **options)
+        bundle = build_engine(self.config)
+        self.engine = bundle.engine
+        self.runner = bundle.runner
+        self.compile_summary = bundle.compile_summary
+        self.startup_seconds = bundle.seconds
+        self.model = bundle.loaded.model
+        self.tokenizer = bundle.loaded.tokenizer
+        self.model_path = bundle.loaded.path
+        self.reference = ReferenceGenerator(self.model, self.tokenizer)
 
     def generate(
         self,
@@ -47,38 +52,39 @@ class LLM:
         """Complete each prompt; ``params`` is one for all or one per prompt."""
         prompt_ids = [self._encode(p) for p in _as_prompt_list(prompts)]
         per_prompt = _per_prompt_params(params, len(prompt_ids))
-        expanded_prompts, expanded_params = [], []
-        for ids, sp in zip(prompt_ids, per_prompt):
-            for i in range(sp.n):
-                expanded_prompts.append(ids)
-                expanded_params.append(_nth_sample(sp, i))
-        return self._reference.generate(expanded_prompts, expanded_params)
+        for ids in prompt_ids:
+            self.engine.check_prompt(ids)
+        groups = self.engine.generate(list(zip(prompt_ids, per_prompt)))
+        return [completion for group in groups for completion in group]
 
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        return self.generate(self.chat_prompts(messages), params)
+
+    def chat_prompts(self, messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[str]:
+        """The rendered prompt of each conversation (one conversation or a list of them)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
-            for c in conversations
-        ]
-        return self.generate(prompts, params)
+        return [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
+                for c in conversations]
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: next-token logits after each prefix of ``token_ids``."""
-        return self._reference.logits(self._encode(token_ids))
+        ids = self._encode(token_ids)
+        self.engine.check_prompt(ids)
+        return self.reference.logits(ids)
+
+    def stats(self) -> dict[str, float]:
+        """Engine and runner counters: runtime_compiles, routes taken, padding waste, KV use."""
+        return {**self.runner.stats(), **self.engine.stats()}
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -101,11 +107,3 @@ def _per_prompt_params(
     if len(params) != count:
         raise ValueError(f"{count} prompts but {len(params)} sampling params")
     return params
-
-
-def _nth_sample(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of the ``index``-th of ``n`` samples: distinct seeds when a seed is given."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)

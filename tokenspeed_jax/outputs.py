@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tokenspeed_jax.engine.request import TokenLogprob
+
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
@@ -16,4 +18,4 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str
-    logprobs: list[float] | None = None  # log-probability of each generated token
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for

@@ -12,12 +12,16 @@ nothing), then one decode step runs for the whole batch per new token. Invariant
   of ``CACHE_QUANTUM``) so repeated calls reuse compiled programs.
 * Stopping (EOS, stop token ids, stop strings, max_tokens, the context length) is decided on the
   host after each step; the stop token is kept in ``token_ids``, never in ``text``.
+* Its compiles are declared to the compile guard (``graph.guard.allowed``): running the reference
+  beside a serving engine never counts as, or raises for, a runtime compile of the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +29,9 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
+from tokenspeed_jax.engine.request import TokenLogprob
 from tokenspeed_jax.engine.sampler import SamplingArrays, sample
+from tokenspeed_jax.graph.guard import allowed
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaForCausalLM
 from tokenspeed_jax.outputs import Completion
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -57,6 +63,17 @@ class _Row:
         return len(self.prompt) + len(self.token_ids) - 1
 
 
+def _declared(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with every compile inside declared to the guard as the reference path's."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with allowed("reference generator"):
+            return method(*args, **kwargs)
+
+    return call
+
+
 class ReferenceGenerator:
     """Greedy or sampled generation over ``model`` with a dense KV cache."""
 
@@ -80,6 +97,7 @@ class ReferenceGenerator:
         return self._forward(self._state, jnp.asarray(token_ids, jnp.int32),
                              jnp.asarray(positions, jnp.int32), cache)
 
+    @_declared
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the next-token logits after each prefix."""
         n = len(token_ids)
@@ -93,6 +111,7 @@ class ReferenceGenerator:
         logits, _ = self.forward(tokens, positions, cache)
         return np.asarray(logits[0, :n], np.float32)
 
+    @_declared
     def generate(
         self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
     ) -> list[Completion]:
@@ -153,7 +172,7 @@ class ReferenceGenerator:
         """
         arrays = SamplingArrays.from_params([(r.params, len(r.token_ids)) for r in rows])
         counts = None
-        if any(_penalized(r.params) for r in rows):
+        if any(r.params.has_penalties for r in rows):
             counts = np.zeros((len(rows), self.config.vocab_size), np.int32)
             for i, row in enumerate(rows):
                 np.add.at(counts[i], row.token_ids, 1)
@@ -176,10 +195,8 @@ class ReferenceGenerator:
     @staticmethod
     def _completion(row: _Row) -> Completion:
         row.detokenizer.finish()
+        logprobs = None
+        if row.params.logprobs is not None:
+            logprobs = [TokenLogprob(t, lp) for t, lp in zip(row.token_ids, row.logprobs)]
         return Completion(row.prompt, row.token_ids, row.detokenizer.text, row.finish_reason,
-                          row.logprobs if row.params.logprobs is not None else None)
-
-
-def _penalized(params: SamplingParams) -> bool:
-    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0)
+                          logprobs)

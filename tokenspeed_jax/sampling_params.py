@@ -57,6 +57,12 @@ class SamplingParams:
                 raise ValueError(message)
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether any presence, frequency or repetition penalty is asked for."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

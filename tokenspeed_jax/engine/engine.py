@@ -29,28 +29,20 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
 from tokenspeed_jax.engine.batch import StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
 from tokenspeed_jax.engine.scheduler import ScheduledStep, Scheduler
+from tokenspeed_jax.outputs import Completion
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.tokenizer import Tokenizer
 
 
 class StepRunner(Protocol):
     def step(self, batch: StepBatch) -> StepOutput: ...
-
-
-@dataclasses.dataclass
-class CompletionOutput:
-    """One finished sequence of ``Engine.generate``."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -158,7 +150,7 @@ class Engine:
 
     def generate(
         self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
-    ) -> list[list[CompletionOutput]]:
+    ) -> list[list[Completion]]:
         """Run every prompt to completion; for each, its ``n`` samples in order."""
         ids = []
         for i, (prompt_ids, params) in enumerate(prompts):
@@ -170,7 +162,8 @@ class Engine:
         while self.has_unfinished:
             for output in self.step():
                 collected[output.request_id].append(output)
-        return [[_join(collected[c]) for c in group] for group in ids]
+        return [[_join(list(prompt_ids), collected[c]) for c in group]
+                for (prompt_ids, _), group in zip(prompts, ids)]
 
     def stats(self) -> dict[str, float]:
         manager = self.block_manager
@@ -265,12 +258,13 @@ def _token_logprob(result: StepOutput, index: int, token: int, num_top: int) -> 
     return TokenLogprob(token, float(result.logprobs[index]), top)
 
 
-def _join(outputs: list[RequestOutput]) -> CompletionOutput:
+def _join(prompt_ids: list[int], outputs: list[RequestOutput]) -> Completion:
     last = outputs[-1]
     logprobs = None
     if any(o.logprobs is not None for o in outputs):
         logprobs = [lp for o in outputs for lp in (o.logprobs or [])]
-    return CompletionOutput(
+    return Completion(
+        prompt_token_ids=prompt_ids,
         token_ids=[t for o in outputs for t in o.new_token_ids],
         text="".join(o.new_text for o in outputs),
         finish_reason=last.finish_reason or "abort",
@@ -336,10 +330,12 @@ class EngineBundle:
     compile_summary: Any  # graph.CompileSummary
     model_path: str
     seconds: float
+    loaded: Any  # models.loader.LoadedModel
 
 
-def build_engine(config: EngineConfig) -> EngineBundle:
-    """Load the model, size the KV cache, compile every executable, return a ready engine."""
+def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
+    """Load the model (unless ``loaded`` is given), size the KV cache, compile every executable,
+    return a ready engine."""
     from tokenspeed_jax.engine.model_runner import ModelRunner
     from tokenspeed_jax.models.loader import load_model
 
@@ -350,9 +346,14 @@ def build_engine(config: EngineConfig) -> EngineBundle:
         decode_graph_max_bs=min(config.decode_graph_max_bs, config.max_num_seqs),
         prefill_graph_max_bs=min(config.prefill_graph_max_bs, config.max_num_seqs),
     )
-    loaded = load_model(config.model, dtype=config.dtype)
+    mesh = parallel.make_mesh(config.tensor_parallel_size)
+    if loaded is None:
+        loaded = load_model(config.model, dtype=config.dtype, mesh=mesh)
     dtype = getattr(loaded.model, "dtype", "float32")
     page_bytes = kv_page_bytes(loaded.config, config.page_size, dtype)
+    if mesh is not None:  # each device holds its share of every page; free memory is per device
+        parallel.check_llama(loaded.config, mesh.size)
+        page_bytes = -(-page_bytes // parallel.kv_cache_shards(loaded.config, mesh.size))
     num_pages = num_kv_pages(config, page_bytes)
     runner = ModelRunner(loaded.model, config, num_pages, config.page_size)
     summary = runner.compile_all()
@@ -367,7 +368,8 @@ def build_engine(config: EngineConfig) -> EngineBundle:
         max_model_len=min(config.max_model_len, loaded.config.max_position_embeddings),
         enable_prefix_caching=config.enable_prefix_caching,
     )
-    return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start)
+    return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start,
+                        loaded)
 
 
 class EngineDeadError(RuntimeError):

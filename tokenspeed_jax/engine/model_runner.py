@@ -4,20 +4,28 @@ Routes, chosen per step from static configuration and the step's sizes:
 
 * **Decode graph**: every request decodes one token. One whole-step executable per decode batch
   bucket (embedding, all layers with paged attention inside, head and sampler). A step with more
-  requests than the largest bucket is split into bucket-sized groups (counted).
-* **Prefill graph** (prefill and mixed steps): an *encoder* plan per (token bucket, request
+  requests than the largest bucket is split into bucket-sized groups (counted). Decode attention
+  is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the Pallas op on a
+  GPU), so its cost follows the live context, not ``max_model_len``.
+* **Prefill graph** (prefill and mixed steps): an *encoder* plan per (token bucket, context
   bucket): segments ``embed+qkv(0)``, ``out(i)+qkv(i+1)``, ``out(L-1)``, with an ``attention``
-  break per layer that writes K/V into the paged cache and attends over it. Then the *narrowing*
-  break gathers each sampled request's last hidden row, and a *decoder* plan per row bucket runs
-  the head and the sampler on rows only. Steps with more tokens than the largest bucket are cut
-  into chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the
-  largest request bucket are split into groups.
+  break per layer that writes K/V into the paged cache and attends over the step's own K/V plus
+  the packed cached context (``context`` slots: 0 for fresh prompts). Then the *narrowing* break
+  gathers each sampled request's last hidden row, and a *decoder* plan per row bucket runs the
+  head and the sampler on rows only. Steps with more tokens than the largest bucket are cut into
+  chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the largest
+  request bucket are split into groups.
+* **Penalties**: a step where a sampled request has a presence, frequency or repetition penalty
+  takes the prefill route (decode tokens included) and its head is the *penalized* decoder plan
+  (one per row bucket), which also takes ``counts i32[rows, V]`` of each request's output tokens,
+  built on the host. Counted as ``penalized_head_runs``.
 * **Eager**: the same plans run op by op (``enforce_eager``, prefill graph off, or a model that
   declares ``supports_prefill_graph = False`` / ``supports_decode_graph = False``). Counted and
   logged; its compiles are declared to the guard.
 
-Invariants: padding tokens have slot -1 and request -1, so they never write a KV page and never
-change a real row; padding requests own no token and sample nothing that is returned. The KV
+Invariants: the KV cache of a layer is ``[Hkv, num_pages, page_size, Dh]`` (``attention.py``).
+Padding tokens have slot -1 and request -1, so they never write a KV page and never change a
+real row; padding requests own no token and sample nothing that is returned. The KV
 cache and the hand-off buffers are donated (updated in place). After ``compile_all`` nothing on
 the graph routes compiles; the guard counts (strict: raises on) any compile.
 """
@@ -25,18 +33,22 @@ the graph routes compiles; the guard counts (strict: raises on) any compile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
 from tokenspeed_jax.graph import (
     Break,
@@ -54,15 +66,32 @@ from tokenspeed_jax.graph import (
     run_eager,
     token_ladder,
 )
+from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
+from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.kernels.attention import (
     paged_decode_attention,
     paged_prefill_attention,
     write_kv,
 )
+from tokenspeed_jax.kernels.paged_attention_backend import choose_decode_kernel
 
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
+SMALLEST_CONTEXT_BUCKET = 256  # cached-context slots of the first non-empty context bucket
+CONTEXT_GROWTH = 4  # context buckets grow 4x: at most 4x padding on the context part only
+
+
+def context_ladder(top: int) -> tuple[int, ...]:
+    """Context-slot buckets of the prefill attention: 0 (fresh prompts), then x4 steps to top."""
+    if top < 0:
+        raise ValueError(f"top={top} must be >= 0")
+    ladder = [0]
+    size = SMALLEST_CONTEXT_BUCKET
+    while ladder[-1] < top:
+        ladder.append(min(size, top))
+        size *= CONTEXT_GROWTH
+    return tuple(ladder)
 
 
 def split_requests(
@@ -104,11 +133,13 @@ class Buckets:
     tokens: tuple[int, ...]
     prefill_requests: tuple[int, ...]
     decode_requests: tuple[int, ...]
+    contexts: tuple[int, ...] = ()  # cached-context slots a prefill group reads (packed)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, prefill: bool, decode: bool) -> Buckets:
         tokens: tuple[int, ...] = ()
         requests: tuple[int, ...] = ()
+        contexts: tuple[int, ...] = ()
         if prefill and config.prefill_graph_enabled:
             top = config.prefill_token_limit
             tokens = (token_ladder(top) if config.prefill_graph_capture_token_sizes is None
@@ -116,13 +147,14 @@ class Buckets:
             max_bs = min(config.prefill_graph_max_bs, top)
             requests = (batch_ladder(max_bs) if config.prefill_graph_capture_batch_sizes is None
                         else explicit_ladder(config.prefill_graph_capture_batch_sizes, max_bs))
+            contexts = context_ladder(requests[-1] * config.max_model_len)
         decode_requests: tuple[int, ...] = ()
         if decode and not config.enforce_eager:
             max_bs = config.decode_graph_max_bs
             decode_requests = (
                 batch_ladder(max_bs) if config.decode_graph_capture_batch_sizes is None
                 else explicit_ladder(config.decode_graph_capture_batch_sizes, max_bs))
-        return cls(tokens, requests, decode_requests)
+        return cls(tokens, requests, decode_requests, contexts)
 
 
 class ModelRunner:
@@ -142,31 +174,42 @@ class ModelRunner:
             prefill=getattr(model, "supports_prefill_graph", True),
             decode=getattr(model, "supports_decode_graph", True),
         )
+        self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+        if self.mesh is not None:
+            parallel.place_model(model, self.mesh)
         layers = list(model.layers)
         self.num_layers = len(layers)
         self.layer_def = nnx.graphdef(layers[0])
         for index, layer in enumerate(layers):
             if nnx.graphdef(layer) != self.layer_def:
                 raise ValueError(f"layer {index} differs in structure from layer 0")
+        self._model_classes = {type(m) for _, m in nnx.iter_modules(model)}
         self.layer_states = [nnx.state(layer) for layer in layers]
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
         cfg = model.config
-        cache_shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        cache_shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
         dtype = getattr(model, "dtype", jnp.float32)
-        self.k_pages = [jnp.zeros(cache_shape, dtype) for _ in layers]
-        self.v_pages = [jnp.zeros(cache_shape, dtype) for _ in layers]
+        kv_sharding = None if self.mesh is None else parallel.kv_cache_sharding(cfg, self.mesh)
+        with startup():
+            self.k_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
+            self.v_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
+        self.decode_kernel = choose_decode_kernel(
+            head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
+            devices=1 if self.mesh is None else self.mesh.size)
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()
         self._encoders: dict[tuple[int, int], CompiledPlan] = {}
         self._narrowers: dict[tuple[int, int], CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
+        self._penalized_decoders: dict[int, CompiledPlan] = {}
         self._decode_steps: dict[int, CompiledPlan] = {}
         self.compiled = False
         self.counters = dict.fromkeys((
             "prefill_graph_runs", "decode_graph_runs", "eager_runs", "chunked_prefill_splits",
-            "request_splits", "decode_splits", "real_tokens", "padded_tokens"), 0)
+            "request_splits", "decode_splits", "real_tokens", "padded_tokens",
+            "penalized_head_runs"), 0)
 
     # ----------------------------------------------------------------- stage functions
 
@@ -190,30 +233,38 @@ class ModelRunner:
     def _out(self, params: Any, hidden: jax.Array, attn: jax.Array) -> jax.Array:
         return self._layer(params).attention_outputs(hidden, attn)
 
-    def _attention(self, params: Any, meta: dict, q: jax.Array, k: jax.Array, v: jax.Array,
+    def _attention(self, params: Any, packed: Packed, q: jax.Array, k: jax.Array, v: jax.Array,
                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> tuple:
+        meta = packed.unpack()
         k_pages = write_kv(k_pages, k, meta["slot_mapping"])
         v_pages = write_kv(v_pages, v, meta["slot_mapping"])
-        attn = paged_prefill_attention(q, k_pages, v_pages, meta["page_tables"],
-                                       meta["token_request"], positions, scale=self.scale)
+        attn = paged_prefill_attention(q, k, v, k_pages, v_pages, meta["token_request"],
+                                       positions, meta["context_slots"],
+                                       meta["context_request"], scale=self.scale)
         return attn, k_pages, v_pages
 
     @staticmethod
     def _narrow(params: Any, meta: dict, hidden: jax.Array) -> jax.Array:
         return jnp.take(hidden, meta["rows"], axis=0)
 
-    def _sample(self, outer_state: Any, sampling: SamplingArrays, hidden: jax.Array) -> tuple:
+    def _sample(self, outer_state: Any, meta: dict[str, jax.Array], hidden: jax.Array
+                ) -> jax.Array:
+        """The head and the sampler: one i32[rows, 2 + 2k] array (``step_output`` splits it), so
+        fetching a step's results is one device->host copy."""
         logits = self._outer(outer_state).head(hidden)
-        token_ids, logprobs = sample(logits, sampling)
+        token_ids, logprobs = sample(logits, _unpack_sampling(meta), meta.get("counts"))
         k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
         top_values, top_ids = top_logprobs(logits, k)
-        return token_ids, logprobs, top_values, top_ids
+        as_words = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        return jnp.concatenate([token_ids[:, None], as_words(logprobs)[:, None], top_ids,
+                                as_words(top_values)], axis=1)
 
-    def _head_sample(self, params: Any, meta: dict, hidden: jax.Array) -> tuple:
-        return self._sample(params, meta["sampling"], hidden)
+    def _head_sample(self, params: Any, packed: Packed, hidden: jax.Array) -> jax.Array:
+        return self._sample(params, packed.unpack(), hidden)
 
-    def _decode_step(self, params: Any, meta: dict, *caches: jax.Array) -> tuple:
+    def _decode_step(self, params: Any, packed: Packed, *caches: jax.Array) -> tuple:
         outer_state, layer_states = params
+        meta = packed.unpack()
         k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
         positions, slots = meta["positions"], meta["slot_mapping"]
         hidden = self._outer(outer_state).embed(meta["token_ids"])
@@ -223,9 +274,9 @@ class ModelRunner:
             k_all[i] = write_kv(k_all[i], k, slots)
             v_all[i] = write_kv(v_all[i], v, slots)
             attn = paged_decode_attention(q, k_all[i], v_all[i], meta["page_tables"], positions,
-                                          scale=self.scale)
+                                          scale=self.scale, kernel=self.decode_kernel)
             hidden = layer.attention_outputs(hidden, attn)
-        return (*self._sample(outer_state, meta["sampling"], hidden), *k_all, *v_all)
+        return (self._sample(outer_state, meta, hidden), *k_all, *v_all)
 
     # ----------------------------------------------------------------- plans
 
@@ -253,9 +304,12 @@ class ModelRunner:
         self.encoder_plan = Plan(calls, ("token_ids", "positions", *caches), ("hidden", *caches))
         narrow = Break("narrow", self._narrow, ("hidden",), ("rows_hidden",))
         self.narrow_plan = Plan([Call(narrow)], ("hidden",), ("rows_hidden",))
-        sampled = ("token_ids", "logprobs", "top_logprobs", "top_ids")
+        sampled = ("sampled",)
         head = Break("sample", self._head_sample, ("rows_hidden",), sampled)
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",), sampled)
+        penalized_head = Break("penalized-sample", self._head_sample, ("rows_hidden",), sampled)
+        self.penalized_decoder_plan = Plan([Call(penalized_head, self.outer_state)],
+                                           ("rows_hidden",), sampled)
         decode = Break("decode", self._decode_step, caches, (*sampled, *caches), donate=caches)
         self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
                                 caches, (*sampled, *caches))
@@ -267,25 +321,42 @@ class ModelRunner:
         specs = abstract(self.k_pages) + abstract(self.v_pages)
         return dict(zip(k_names + v_names, specs))
 
-    def _prefill_meta(self, requests: Sequence[StepRequest], num_tokens: int,
-                      num_requests: int) -> tuple[dict, dict, dict]:
-        """Host-built (numpy) arrays of one padded prefill group: inputs, attention, sampling."""
+    def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
+                       num_requests: int, num_context: int | None = None
+                       ) -> tuple[dict, dict, dict]:
+        """Host-built (numpy) arrays of one padded prefill group: inputs, attention (packed),
+        head (``rows`` and ``sampling``).
+
+        The attention arrays hold the packed cached context (``context_slots``: the slots of
+        every request's positions before ``start_pos``, ``context_request``: whose they are),
+        padded to ``num_context`` slots (default: the smallest context bucket that fits, or the
+        exact size when there are no buckets).
+        """
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.full(num_tokens, -1, np.int32)
         token_request = np.full(num_tokens, -1, np.int32)
-        page_tables = np.zeros((num_requests, self.pages_per_request), np.int32)
+        context = sum(r.start_pos for r in requests)
+        if num_context is None:
+            num_context = choose_bucket(self.buckets.contexts, context) or context
+        if context > num_context:
+            raise ValueError(f"{context} cached context slots exceed num_context={num_context}")
+        context_slots = np.zeros(num_context, np.int32)
+        context_request = np.full(num_context, -1, np.int32)
         rows, sampled = [], []
-        offset = 0
+        offset = context_offset = 0
         for index, request in enumerate(requests):
             span = slice(offset, offset + request.num_tokens)
             pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
             table = self._page_table(request)
             token_ids[span] = request.token_ids
             positions[span] = pos
-            slots[span] = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            slots[span] = self._slots(table, pos)
             token_request[span] = index
-            page_tables[index, :len(table)] = table
+            cached = slice(context_offset, context_offset + request.start_pos)
+            context_slots[cached] = self._slots(table, np.arange(request.start_pos))
+            context_request[cached] = index
+            context_offset += request.start_pos
             offset += request.num_tokens
             if request.sample:
                 rows.append(offset - 1)
@@ -293,10 +364,21 @@ class ModelRunner:
         rows_arr = np.zeros(num_requests, np.int32)
         rows_arr[:len(rows)] = rows
         inputs = {"token_ids": token_ids, "positions": positions}
-        attention = {"slot_mapping": slots, "token_request": token_request,
-                     "page_tables": page_tables}
+        attention = Packed.of({"slot_mapping": slots, "token_request": token_request,
+                               "context_slots": context_slots,
+                               "context_request": context_request})
         head = {"rows": rows_arr, "sampling": self._sampling(sampled, num_requests)}
         return inputs, attention, head
+
+    def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def _counts(self, requests: Sequence[StepRequest], rows: int) -> np.ndarray:
+        """i32[rows, V]: how often each request already generated each token (penalties)."""
+        counts = np.zeros((rows, self.model_config.vocab_size), np.int32)
+        for row, request in enumerate(requests):
+            np.add.at(counts[row], np.asarray(request.output_token_ids, np.int64), 1)
+        return counts
 
     def _page_table(self, request: StepRequest) -> np.ndarray:
         table = np.asarray(request.page_table, np.int32)
@@ -313,44 +395,87 @@ class ModelRunner:
         return SamplingArrays.from_params(
             [(r.params, len(r.output_token_ids)) for r in requests], pad_to=rows)
 
-    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> dict:
-        inputs, attention, head = self._prefill_meta(requests, rows, rows)
-        return {"token_ids": inputs["token_ids"], "positions": inputs["positions"],
-                "slot_mapping": attention["slot_mapping"],
-                "page_tables": attention["page_tables"], "sampling": head["sampling"]}
+    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
+        """The packed metadata of one decode group padded to ``rows``: one transfer per step."""
+        count = len(requests)
+        token_ids = np.zeros(rows, np.int32)
+        positions = np.full(rows, -1, np.int32)
+        slots = np.full(rows, -1, np.int32)
+        page_tables = np.zeros((rows, self.pages_per_request), np.int32)
+        for row, request in enumerate(requests):
+            table = self._page_table(request)
+            page_tables[row, :len(table)] = table
+        if count:
+            token_ids[:count] = [r.token_ids[0] for r in requests]
+            real = np.array([r.start_pos for r in requests], np.int32)
+            positions[:count] = real
+            slots[:count] = self._slots_of_rows(page_tables[:count], real)
+        return Packed.of({"token_ids": token_ids, "positions": positions, "slot_mapping": slots,
+                          "page_tables": page_tables,
+                          **_sampling_fields(self._sampling(requests, rows))})
+
+    def _slots_of_rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Row ``i``'s slot of ``positions[i]`` in page table ``tables[i]``."""
+        pages = tables[np.arange(len(positions)), positions // self.page_size]
+        return pages * self.page_size + positions % self.page_size
+
+    def encoder(self, tokens: int, context: int = 0) -> CompiledPlan:
+        """The compiled prefill encoder plan of bucket (tokens, cached-context slots)."""
+        return self._encoders[tokens, context]
+
+    def cache_fingerprint(self) -> str:
+        """What the stage functions read besides their arguments, for the executable cache key:
+        the model's static structure and attributes (config, dtypes, eps), the scale, the flax
+        version, and the bytecode of the runner's and the model's classes."""
+        classes = [type(self), *self._model_classes]
+        return "\n".join([repr(self.model_def), repr(self.layer_def), f"scale={self.scale!r}",
+                          f"decode_kernel={self.decode_kernel!r}",
+                          f"flax={flax.__version__}",
+                          classes_fingerprint(classes, skip_modules=("flax",))])
 
     def compile_all(self) -> CompileSummary:
         """Compile every executable a request can reach; fatal on failure; then arm the guard."""
+        cache_dir = self.config.compile_cache_path
         compiler = PlanCompiler(progress=self.config.compile_progress,
-                                description="compiling executables")
+                                description="compiling executables",
+                                cache=ExecutableCache(cache_dir) if cache_dir else None,
+                                fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         caches = self._cache_specs()
+        shardings = {} if self.mesh is None else parallel.plan_value_shardings(
+            self.model_config, self.mesh, list(caches))
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
         for tokens in self.buckets.tokens:
+            for context in self.buckets.contexts:
+                inputs, attention, _ = (abstract(m) for m in
+                                        self.prefill_arrays([], tokens, 1, context))
+                compiler.add(f"prefill T={tokens} C={context}", self.encoder_plan,
+                             {**inputs, **caches}, {"attention": attention}, shardings)
             for requests in self.buckets.prefill_requests:
                 if requests > tokens:
                     continue
-                inputs, attention, head = (abstract(m) for m in
-                                           self._prefill_meta([], tokens, requests))
-                compiler.add(f"prefill T={tokens} B={requests}", self.encoder_plan,
-                             {**inputs, **caches}, {"attention": attention})
+                head = abstract(self.prefill_arrays([], tokens, requests, 0)[2])
                 hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
                 compiler.add(f"narrow T={tokens} B={requests}", self.narrow_plan,
                              {"hidden": hidden}, {"narrow": {"rows": head["rows"]}})
         for rows in self.buckets.prefill_requests:
             hidden = jax.ShapeDtypeStruct((rows, hidden_size), hidden_dtype)
-            sampling = abstract(self._sampling([], rows))
+            sampling = self._sampling([], rows)
             compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": hidden},
-                         {"sample": {"sampling": sampling}})
+                         abstract(self._head_meta([], rows, sampling, penalized=False)[1]))
+            compiler.add(f"penalized-head B={rows}", self.penalized_decoder_plan,
+                         {"rows_hidden": hidden},
+                         abstract(self._head_meta([], rows, sampling, penalized=True)[1]))
         for rows in self.buckets.decode_requests:
             compiler.add(f"decode B={rows}", self.decode_plan, caches,
-                         {"decode": abstract(self._decode_meta([], rows))})
+                         {"decode": abstract(self._decode_meta([], rows))}, shardings)
         plans, summary = compiler.compile_all()
         for label, plan in plans.items():
             kind, *sizes = label.split()
             key = tuple(int(s.split("=")[1]) for s in sizes)
             table = {"prefill": self._encoders, "narrow": self._narrowers,
-                     "head": self._decoders, "decode": self._decode_steps}[kind]
+                     "head": self._decoders, "penalized-head": self._penalized_decoders,
+                     "decode": self._decode_steps}[kind]
             table[key if len(key) > 1 else key[0]] = plan
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
@@ -367,7 +492,10 @@ class ModelRunner:
         if graphs and not self.compiled:
             raise RuntimeError("call compile_all() before step()")
         results = []
-        if batch.is_decode and self.buckets.decode_requests:
+        # A penalized request needs token counts the decode executable does not take: such a
+        # step runs through the prefill route, whose head has a penalized variant.
+        with_penalties = any(r.sample and r.params.has_penalties for r in batch.requests)
+        if batch.is_decode and self.buckets.decode_requests and not with_penalties:
             largest = self.buckets.decode_requests[-1]
             groups = [batch.requests[i:i + largest]
                       for i in range(0, len(batch.requests), largest)]
@@ -377,9 +505,9 @@ class ModelRunner:
             results = self._run_prefill_graph(batch.requests)
         else:
             results = [self._run_eager(batch.requests)]
-        return _concat(results)
+        return step_output(results)
 
-    def _run_prefill_graph(self, requests: list[StepRequest]) -> list[dict]:
+    def _run_prefill_graph(self, requests: list[StepRequest]) -> list[np.ndarray]:
         max_tokens = self.buckets.tokens[-1]
         max_requests = self.buckets.prefill_requests[-1]
         total = sum(r.num_tokens for r in requests)
@@ -393,54 +521,86 @@ class ModelRunner:
         self.counters["chunked_prefill_splits"] += len(groups) - len(by_requests)
         return [self._run_prefill_group(group) for group in groups]
 
-    def _run_prefill_group(self, requests: list[StepRequest]) -> dict:
+    def _run_prefill_group(self, requests: list[StepRequest]) -> np.ndarray:
         num_tokens = sum(r.num_tokens for r in requests)
         tokens = choose_bucket(self.buckets.tokens, num_tokens)
         rows = choose_bucket(self.buckets.prefill_requests, len(requests))
-        inputs, attention, head = self._prefill_meta(requests, tokens, rows)
+        inputs, attention, head = self.prefill_arrays(requests, tokens, rows)
         self.counters["prefill_graph_runs"] += 1
         self.counters["real_tokens"] += num_tokens
         self.counters["padded_tokens"] += tokens - num_tokens
-        out = self._encoders[tokens, rows].run(
-            {**jax.device_put(inputs), **self._caches()}, {"attention": attention})
-        self._store_caches(out)
+        context = attention.layout.field("context_slots").shape[0]
+        out = self._encoders[tokens, context].run(
+            {**jax.device_put(inputs), **self.kv_caches()}, {"attention": attention})
+        self.store_kv_caches(out)
         narrowed = self._narrowers[tokens, rows].run(
             {"hidden": out["hidden"]}, {"narrow": {"rows": head["rows"]}})
-        sampled = self._decoders[rows].run(narrowed, {"sample": {"sampling": head["sampling"]}})
-        return _fetch(sampled, sum(r.sample for r in requests))
+        sampled_requests = [r for r in requests if r.sample]
+        with_penalties, meta = self._head_meta(sampled_requests, rows, head["sampling"])
+        if with_penalties:
+            self.counters["penalized_head_runs"] += 1
+        decoders = self._penalized_decoders if with_penalties else self._decoders
+        sampled = decoders[rows].run(narrowed, meta)
+        return fetch_sampled(sampled["sampled"], len(sampled_requests))
 
-    def _run_decode(self, requests: list[StepRequest]) -> dict:
+    def _head_meta(self, sampled: Sequence[StepRequest], rows: int, sampling: SamplingArrays,
+                   penalized: bool | None = None) -> tuple[bool, dict]:
+        """(whether the head is the penalized one, the packed metadata of the head plan to run):
+        the penalized head also takes each row's output-token counts. ``penalized`` None: the
+        penalized head exactly when a sampled request has a penalty."""
+        if penalized is None:
+            penalized = any(r.params.has_penalties for r in sampled)
+        fields = _sampling_fields(sampling)
+        if penalized:
+            fields["counts"] = self._counts(sampled, rows)
+        return penalized, {"penalized-sample" if penalized else "sample": Packed.of(fields)}
+
+    def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[CompiledPlan, dict]:
+        """The compiled decode step for ``requests`` (at most the largest decode bucket) and its
+        host-built metadata (one packed buffer)."""
+        rows = choose_bucket(self.buckets.decode_requests, len(requests))
+        return self._decode_steps[rows], {"decode": self._decode_meta(requests, rows)}
+
+    def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
+        plan, meta = self.decode_inputs(requests)
         rows = choose_bucket(self.buckets.decode_requests, len(requests))
         self.counters["decode_graph_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
-        out = self._decode_steps[rows].run(self._caches(),
-                                           {"decode": self._decode_meta(requests, rows)})
-        self._store_caches(out)
-        return _fetch(out, len(requests))
+        out = plan.run(self.kv_caches(), meta)
+        self.store_kv_caches(out)
+        return fetch_sampled(out["sampled"], len(requests))
 
-    def _run_eager(self, requests: list[StepRequest]) -> dict:
+    def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""
         self.counters["eager_runs"] += 1
         num_tokens = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += num_tokens
-        inputs, attention, head = self._prefill_meta(requests, num_tokens, len(requests))
-        num_sampled = sum(r.sample for r in requests)
+        inputs, attention, head = self.prefill_arrays(
+            requests, num_tokens, len(requests), sum(r.start_pos for r in requests))
+        sampled_requests = [r for r in requests if r.sample]
+        num_sampled = len(sampled_requests)
         with self.guard.allowed("eager forward"):
-            out = run_eager(self.encoder_plan, {**jax.device_put(inputs), **self._caches()},
+            out = run_eager(self.encoder_plan, {**jax.device_put(inputs), **self.kv_caches()},
                             {"attention": attention})
-            self._store_caches(out)
+            self.store_kv_caches(out)
             rows = {"rows": head["rows"][:num_sampled]}
             narrowed = run_eager(self.narrow_plan, {"hidden": out["hidden"]}, {"narrow": rows})
-            sampling = self._sampling([r for r in requests if r.sample], num_sampled)
-            sampled = run_eager(self.decoder_plan, narrowed, {"sample": {"sampling": sampling}})
-            return _fetch(sampled, num_sampled)
+            sampling = self._sampling(sampled_requests, num_sampled)
+            with_penalties, meta = self._head_meta(sampled_requests, num_sampled, sampling)
+            if with_penalties:
+                self.counters["penalized_head_runs"] += 1
+            plan = self.penalized_decoder_plan if with_penalties else self.decoder_plan
+            sampled = run_eager(plan, narrowed, meta)
+            return fetch_sampled(sampled["sampled"], num_sampled)
 
-    def _caches(self) -> dict[str, jax.Array]:
+    def kv_caches(self) -> dict[str, jax.Array]:
+        """The paged KV cache as plan values (``k_pages.i``, ``v_pages.i``); donated per step."""
         k_names, v_names = self._cache_names()
         return {**dict(zip(k_names, self.k_pages)), **dict(zip(v_names, self.v_pages))}
 
-    def _store_caches(self, values: dict[str, jax.Array]) -> None:
+    def store_kv_caches(self, values: dict[str, jax.Array]) -> None:
+        """Adopt the KV cache arrays a plan returned (the donated ones are gone)."""
         k_names, v_names = self._cache_names()
         self.k_pages = [values[n] for n in k_names]
         self.v_pages = [values[n] for n in v_names]
@@ -456,17 +616,27 @@ class ModelRunner:
         }
 
 
-def _fetch(sampled: dict[str, jax.Array], count: int) -> dict[str, np.ndarray]:
-    """Device results -> numpy, the first ``count`` rows (the rest are padding)."""
-    keys = ("token_ids", "logprobs", "top_logprobs", "top_ids")
-    return {k: np.asarray(sampled[k])[:count] for k in keys}
+def _sampling_fields(sampling: SamplingArrays) -> dict[str, np.ndarray]:
+    return {f"sampling.{name}": value for name, value in sampling._asdict().items()}
 
 
-def _concat(results: list[dict[str, np.ndarray]]) -> StepOutput:
-    joined = {k: np.concatenate([r[k] for r in results]) for k in results[0]}
+def _unpack_sampling(meta: dict[str, jax.Array]) -> SamplingArrays:
+    return SamplingArrays(*(meta[f"sampling.{name}"] for name in SamplingArrays._fields))
+
+
+def fetch_sampled(sampled: jax.Array, count: int) -> np.ndarray:
+    """The packed sampler output (``_sample``) -> numpy, in one copy: the first ``count`` rows
+    (the rest are padding)."""
+    return np.asarray(sampled)[:count]
+
+
+def step_output(results: list[np.ndarray]) -> StepOutput:
+    """Split the packed rows: token id, logprob bits, k top ids, k top log-prob bits."""
+    joined = np.concatenate(results) if len(results) > 1 else results[0]
+    k = (joined.shape[1] - 2) // 2
     return StepOutput(
-        token_ids=joined["token_ids"].astype(np.int32),
-        logprobs=joined["logprobs"].astype(np.float32),
-        top_token_ids=joined["top_ids"].astype(np.int32),
-        top_logprobs=joined["top_logprobs"].astype(np.float32),
+        token_ids=joined[:, 0].copy(),
+        logprobs=joined[:, 1].copy().view(np.float32),
+        top_token_ids=joined[:, 2:2 + k].copy(),
+        top_logprobs=joined[:, 2 + k:].copy().view(np.float32),
     )

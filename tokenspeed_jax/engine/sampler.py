@@ -68,15 +68,6 @@ class SamplingArrays(NamedTuple):
         size = len(rows) if pad_to is None else pad_to
         if size < len(rows):
             raise ValueError(f"pad_to={pad_to} is smaller than the {len(rows)} rows given")
-        temperature = np.zeros(size, np.float32)
-        top_p = np.ones(size, np.float32)
-        top_k = np.zeros(size, np.int32)
-        min_p = np.zeros(size, np.float32)
-        presence = np.zeros(size, np.float32)
-        frequency = np.zeros(size, np.float32)
-        repetition = np.ones(size, np.float32)
-        key = np.zeros((size, 2), np.uint32)
-        step = np.zeros(size, np.int32)
         for row, (params, index) in enumerate(rows):
             if params.seed is None and not params.greedy:
                 raise ValueError(
@@ -85,15 +76,22 @@ class SamplingArrays(NamedTuple):
                 )
             if index < 0:
                 raise ValueError(f"row {row} has output token index {index} < 0")
-            temperature[row] = params.temperature
-            top_p[row] = params.top_p
-            top_k[row] = params.top_k
-            min_p[row] = params.min_p
-            presence[row] = params.presence_penalty
-            frequency[row] = params.frequency_penalty
-            repetition[row] = params.repetition_penalty
-            key[row] = seed_key_data(params.seed or 0)
-            step[row] = index
+        # One row of settings per request, columns in field order; padding rows are greedy.
+        floats = np.zeros((size, 6), np.float32)
+        floats[:, (1, 5)] = 1.0  # top_p and repetition_penalty off
+        key = np.zeros((size, 2), np.uint32)
+        top_k = np.zeros(size, np.int32)
+        step = np.zeros(size, np.int32)
+        if rows:
+            count = len(rows)
+            floats[:count] = [
+                (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                 p.repetition_penalty) for p, _ in rows]
+            seeds = [(p.seed or 0) % 2**64 for p, _ in rows]
+            key[:count] = [(seed >> 32, seed & 0xFFFFFFFF) for seed in seeds]
+            top_k[:count] = [p.top_k for p, _ in rows]
+            step[:count] = [index for _, index in rows]
+        temperature, top_p, min_p, presence, frequency, repetition = floats.T.copy()
         return cls(temperature, top_p, top_k, min_p, presence, frequency, repetition, key, step)
 
     def uses_top_k_or_top_p(self) -> bool:

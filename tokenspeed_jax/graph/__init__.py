@@ -10,10 +10,11 @@ from tokenspeed_jax.graph.buckets import (
     padding_waste,
     token_ladder,
 )
+from tokenspeed_jax.graph.cache import ExecutableCache
 from tokenspeed_jax.graph.compile import CompileError, CompileSummary, PlanCompiler, abstract
 from tokenspeed_jax.graph.guard import CompileGuard, RuntimeCompileError
 from tokenspeed_jax.graph.plan import Break, Call, Plan, Segment
-from tokenspeed_jax.graph.runner import CompiledPlan, run_eager
+from tokenspeed_jax.graph.runner import CompiledPlan, run_eager, whole_forward
 
 __all__ = [
     "Break",
@@ -22,6 +23,7 @@ __all__ = [
     "CompileGuard",
     "CompileSummary",
     "CompiledPlan",
+    "ExecutableCache",
     "Plan",
     "PlanCompiler",
     "RuntimeCompileError",
@@ -33,4 +35,5 @@ __all__ = [
     "padding_waste",
     "run_eager",
     "token_ladder",
+    "whole_forward",
 ]

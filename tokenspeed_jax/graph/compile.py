@@ -3,15 +3,28 @@
 ``PlanCompiler.add(label, plan, input_specs, meta_specs)`` registers one bucket's plan with
 abstract inputs (``jax.ShapeDtypeStruct``: no device memory is allocated for dummies);
 ``compile_all()`` traces every call, deduplicates identical executables, compiles them with a
-progress bar and returns the compiled plans and a per-bucket timing summary. Invariants:
+progress bar and returns the compiled plans and a per-bucket timing summary. With an
+``ExecutableCache`` each executable is first looked up on disk (``graph/cache.py``): a hit is
+loaded without tracing, lowering or compiling; a miss is compiled and written back. Invariants:
 
 * An executable is keyed by (stage, parameter/metadata tree structure, every argument's shape and
   dtype): calls of identical layers in one bucket, or of a stage shared by several plans, compile
   once.
 * Any failure while tracing, lowering or compiling is fatal: ``CompileError`` names the segment
   and the bucket label; nothing degrades silently.
-* Output shapes come from tracing, so a plan's later calls are compiled for exactly what earlier
-  calls produce.
+* Output shapes come from tracing (or from the cache entry, which recorded them when it was
+  traced), so a plan's later calls are compiled for exactly what earlier calls produce.
+* A cache entry that cannot be used (corrupt, incompatible) is logged, recompiled and replaced;
+  the summary counts executables loaded and compiled, and the seconds each took.
+* Every argument is kept (``keep_unused``), so a single-device executable can be called directly
+  with the flat argument list (``CompiledCall.raw``), skipping ``Compiled.__call__``'s pytree
+  and signature handling; XLA still checks every buffer's size at each call.
+* With a ``mesh`` (tensor parallelism, ``tokenspeed_jax/parallel.py``) every executable is
+  compiled with explicit input and output shardings: an input spec or parameter array keeps its
+  own multi-device sharding, a plan value gets the sharding ``add(shardings=...)`` names for it,
+  and everything else (unnamed values, break metadata) is replicated over the mesh. So the
+  sharding each call produces is the one the next call was compiled for, and the cache key
+  covers the shardings. Without a mesh, programs are compiled exactly as on one device.
 """
 
 from __future__ import annotations
@@ -22,9 +35,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from tqdm.auto import tqdm
 
 from tokenspeed_jax.graph import guard
+from tokenspeed_jax.graph.cache import (
+    CacheEntryError,
+    Entry,
+    ExecutableCache,
+    executable_key,
+    function_identity,
+)
 from tokenspeed_jax.graph.plan import Break, Call, Plan
 from tokenspeed_jax.graph.runner import CompiledCall, CompiledPlan
 
@@ -33,13 +54,27 @@ class CompileError(RuntimeError):
     """A segment failed to compile at start-up; the message names the segment and the bucket."""
 
 
+def multi_device_sharding(x: Any) -> Sharding | None:
+    """``x``'s sharding when it spans several devices, else None (single-device: unconstrained)."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if sharding is not None and len(sharding.device_set) > 1 else None
+
+
 def abstract(tree: Any) -> Any:
-    """The ``ShapeDtypeStruct`` pytree of ``tree`` (arrays or specs)."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """The ``ShapeDtypeStruct`` pytree of ``tree`` (arrays or specs); a sharding over several
+    devices is kept, so abstract inputs of a sharded program carry it."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=multi_device_sharding(x)),
+        tree)
 
 
 def _signature(leaves: list[Any]) -> tuple:
-    return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    return tuple((tuple(x.shape), str(x.dtype), multi_device_sharding(x)) for x in leaves)
+
+
+def _with_sharding(spec: Any, sharding: Sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding,
+                                weak_type=getattr(spec, "weak_type", False))
 
 
 def _flat_function(call: Call, num_inputs: int, meta_tree: Any, num_meta: int, param_tree: Any):
@@ -63,41 +98,116 @@ def _flat_function(call: Call, num_inputs: int, meta_tree: Any, num_meta: int, p
     return flat
 
 
+def _raw_executable(compiled: Any, num_args: int) -> Any | None:
+    """The loaded executable behind ``compiled`` when it can be called directly with the flat
+    argument list (one device, every argument kept, no hoisted constants), else None.
+
+    Multi-device executables knowingly take ``Compiled.__call__``: the direct call returns
+    per-device shards that would have to be reassembled into global arrays in Python, which
+    costs more than it saves (see docs/parallel.md for the measurement)."""
+    raw = compiled.runtime_executable()
+    if len(raw.local_devices()) != 1 or len(raw.get_parameter_layouts()) != num_args:
+        return None
+    return raw
+
+
 @dataclasses.dataclass
 class _Job:
     key: tuple
     name: str
     label: str
-    traced: Any
+    fn: Any
+    args: list[Any]
+    donate: tuple[int, ...]
+    out_shardings: tuple[Sharding, ...] | None = None  # None: no mesh, single-device program
+    cache_key: str | None = None
+    entry: Entry | None = None  # a cache hit: load instead of compiling
+    traced: Any = None
+    out_info: tuple[Any, ...] = ()
     executable: Any = None
+    raw: Any = None
     seconds: float = 0.0
+    loaded: bool = False
+
+    @property
+    def num_args(self) -> int:
+        return len(self.args)
+
+    def trace(self) -> None:
+        """Trace the job's function (fatal ``CompileError`` on failure); sets ``out_info``."""
+        shardings = {}
+        if self.out_shardings is not None:
+            shardings = {"in_shardings": tuple(a.sharding for a in self.args),
+                         "out_shardings": self.out_shardings}
+        try:
+            with guard.startup():
+                self.traced = jax.jit(self.fn, donate_argnums=self.donate, keep_unused=True,
+                                      **shardings).trace(*self.args)
+        except Exception as error:
+            raise CompileError(
+                f"tracing segment {self.name!r} for bucket {self.label} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        self.out_info = tuple(self.traced.out_info)
 
 
 @dataclasses.dataclass(frozen=True)
 class CompileSummary:
-    """Start-up compile statistics: executables built, seconds per bucket label, total."""
+    """Start-up compile statistics: executables built, seconds per bucket label, total; how
+    many executables were loaded from the cache and how many compiled, and the seconds each
+    took (tracing included in compile seconds)."""
 
     num_executables: int
     num_calls: int
     seconds_per_label: dict[str, float]
     total_seconds: float
+    num_loaded: int = 0
+    num_compiled: int = 0
+    load_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    def describe(self) -> str:
+        """One line: loaded vs compiled executables and their seconds."""
+        return (f"{self.num_loaded} executables loaded from cache in {self.load_seconds:.2f}s, "
+                f"{self.num_compiled} compiled in {self.compile_seconds:.2f}s")
 
     def table(self) -> str:
         rows = [f"{'bucket':<32} {'seconds':>8}"]
         rows += [f"{label:<32} {sec:8.2f}" for label, sec in self.seconds_per_label.items()]
         rows.append(f"{'total':<32} {self.total_seconds:8.2f}  "
                     f"({self.num_executables} executables for {self.num_calls} calls)")
+        rows.append(self.describe())
         return "\n".join(rows)
 
 
 class PlanCompiler:
     """Collects bucket plans, then compiles all of them at once (see the module docstring)."""
 
-    def __init__(self, *, progress: bool = True, description: str = "compiling") -> None:
+    def __init__(
+        self,
+        *,
+        progress: bool = True,
+        description: str = "compiling",
+        cache: ExecutableCache | None = None,
+        fingerprint: str | None = None,
+        mesh: Mesh | None = None,
+    ) -> None:
+        """``cache``: look executables up there and store new ones. ``fingerprint``: a stable
+        description of everything the stage functions read besides their arguments (needed to
+        cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
+        programs over it (module docstring)."""
+        self.mesh = mesh
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._value_shardings: dict[str, Sharding] = {}
+        # XLA:CPU's in-process collectives deadlock with several executions in flight.
+        self._blocking = mesh is not None and mesh.devices.flat[0].platform == "cpu"
         self.progress = progress
         self.description = description
+        self.cache = cache
+        self.fingerprint = fingerprint
         self._jobs: dict[tuple, _Job] = {}
         self._plans: list[tuple[str, Plan, list[tuple[_Job, Call, str | None]]]] = []
+        self._specs: dict[str, tuple[dict, dict]] = {}
 
     def add(
         self,
@@ -105,24 +215,38 @@ class PlanCompiler:
         plan: Plan,
         input_specs: Mapping[str, jax.ShapeDtypeStruct],
         meta_specs: Mapping[str, Any] | None = None,
+        shardings: Mapping[str, Sharding] | None = None,
     ) -> None:
-        """Trace ``plan`` for one bucket; ``label`` names the bucket in progress and errors."""
+        """Trace ``plan`` for one bucket; ``label`` names the bucket in progress and errors.
+        ``shardings``: plan value name -> sharding of that value wherever a call outputs it
+        (only with a mesh; unnamed values are replicated)."""
         if any(existing == label for existing, _, _ in self._plans):
             raise ValueError(f"bucket label {label!r} was already added")
-        meta_specs = {n: abstract(m) for n, m in (meta_specs or {}).items()}
+        if shardings and self.mesh is None:
+            raise ValueError(f"{label}: value shardings need a PlanCompiler mesh")
+        self._value_shardings = dict(shardings or {})
+        meta_specs = {n: self._placed(abstract(m)) for n, m in (meta_specs or {}).items()}
         missing = [n for n in plan.breaks if n not in meta_specs]
         if missing:
             raise ValueError(f"{label}: no metadata specs for breaks {missing}")
-        values = {n: abstract(s) for n, s in input_specs.items()}
+        values = {n: self._placed(abstract(s)) for n, s in input_specs.items()}
+        self._specs[label] = ({n: values[n] for n in plan.inputs if n in values}, meta_specs)
         unknown = set(plan.inputs) - set(values)
         if unknown:
             raise ValueError(f"{label}: no input specs for {sorted(unknown)}")
         bound = []
         for call in plan.calls:
             job = self._trace(label, call, values, meta_specs)
-            values.update(zip(call.outputs, job.traced.out_info))
+            values.update(zip(call.outputs, job.out_info))
             bound.append((job, call, call.stage.name if isinstance(call.stage, Break) else None))
         self._plans.append((label, plan, bound))
+
+    def _placed(self, tree: Any) -> Any:
+        """With a mesh: ``tree``'s specs, those without a multi-device sharding replicated."""
+        if self.mesh is None:
+            return tree
+        return jax.tree_util.tree_map(
+            lambda s: s if s.sharding is not None else _with_sharding(s, self._replicated), tree)
 
     def _trace(self, label: str, call: Call, values: dict, meta_specs: dict) -> _Job:
         stage = call.stage
@@ -130,23 +254,79 @@ class PlanCompiler:
         meta_leaves, meta_tree = jax.tree_util.tree_flatten(
             meta_specs[stage.name] if isinstance(stage, Break) else ())
         param_leaves, param_tree = jax.tree_util.tree_flatten(call.params)
-        args = [*inputs, *meta_leaves, *abstract(param_leaves)]
-        key = (stage, meta_tree, param_tree, _signature(args))
+        args = [*inputs, *meta_leaves, *self._placed(abstract(param_leaves))]
+        out_shardings = None
+        if self.mesh is not None:
+            out_shardings = tuple(self._value_shardings.get(n, self._replicated)
+                                  for n in call.outputs)
+        key = (stage, meta_tree, param_tree, _signature(args), out_shardings)
         if key in self._jobs:
             return self._jobs[key]
         donate = tuple(i for i, n in enumerate(stage.inputs) if n in stage.donate)
         fn = _flat_function(call, len(inputs), meta_tree, len(meta_leaves), param_tree)
-        try:
-            with guard.startup():
-                traced = jax.jit(fn, donate_argnums=donate).trace(*args)
-        except Exception as error:
-            raise CompileError(
-                f"tracing segment {stage.name!r} for bucket {label} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        job = _Job(key=key, name=stage.name, label=label, traced=traced)
+        job = _Job(key=key, name=stage.name, label=label, fn=fn, args=args, donate=donate,
+                   out_shardings=out_shardings)
+        start = time.perf_counter()
+        if self.cache is not None:
+            job.cache_key = executable_key(
+                stage_name=stage.name, identity=function_identity(stage.fn, self.fingerprint),
+                trees=(meta_tree, param_tree), args=args, donate=donate,
+                out_shardings=out_shardings)
+            job.entry = self.cache.get(job.cache_key) if job.cache_key else None
+        if job.entry is not None:
+            job.out_info = job.entry.out_specs
+        else:
+            job.trace()
+        if out_shardings is not None:  # cache entries record shapes only
+            job.out_info = tuple(map(_with_sharding, job.out_info, out_shardings))
+        job.seconds = time.perf_counter() - start  # lookup or tracing: part of this job's time
         self._jobs[key] = job
         return job
+
+    def _load(self, job: _Job) -> bool:
+        """Load a cache hit; False (the entry was logged as unusable) means compile instead."""
+        try:
+            with guard.startup():
+                job.executable = self.cache.load(job.entry)
+        except CacheEntryError:
+            return False
+        job.loaded = True
+        return True
+
+    def _compile(self, job: _Job) -> None:
+        start = time.perf_counter()
+        if job.traced is None:  # a cache hit that could not be loaded
+            planned = job.out_info
+            job.trace()
+            if [(s.shape, s.dtype) for s in job.out_info] != [(s.shape, s.dtype) for s in planned]:
+                raise CompileError(
+                    f"segment {job.name!r} for bucket {job.label}: the cache entry promised "
+                    f"outputs {planned}, tracing gives {job.out_info}; the cache key missed "
+                    f"something that changes the program: clear the cache"
+                )
+        try:
+            with guard.startup():
+                job.executable = job.traced.lower().compile()
+        except Exception as error:
+            raise CompileError(
+                f"compiling segment {job.name!r} for bucket {job.label} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if job.cache_key is not None:
+            self.cache.put(job.cache_key, job.executable, segment=job.name, bucket=job.label,
+                           out_specs=job.out_info,
+                           compile_seconds=time.perf_counter() - start)
+
+    def _bound_leaves(self, job: _Job, call: Call) -> tuple[Any, ...]:
+        """The call's parameter leaves; with a mesh, a leaf not yet on the sharding its
+        executable was compiled for (a single-device array: replicated) is placed there once."""
+        leaves = jax.tree_util.tree_leaves(call.params)
+        if self.mesh is None:
+            return tuple(leaves)
+        specs = job.args[len(job.args) - len(leaves):]
+        return tuple(leaf if getattr(leaf, "sharding", None) == spec.sharding
+                     else jax.device_put(leaf, spec.sharding)
+                     for leaf, spec in zip(leaves, specs))
 
     def compile_all(self) -> tuple[dict[str, CompiledPlan], CompileSummary]:
         """Compile every registered executable; fatal on the first failure."""
@@ -156,15 +336,10 @@ class PlanCompiler:
         for job in bar:
             bar.set_postfix_str(f"{job.name} @ {job.label}", refresh=False)
             t0 = time.perf_counter()
-            try:
-                with guard.startup():
-                    job.executable = job.traced.lower().compile()
-            except Exception as error:
-                raise CompileError(
-                    f"compiling segment {job.name!r} for bucket {job.label} failed: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
-            job.seconds = time.perf_counter() - t0
+            if job.entry is None or not self._load(job):
+                self._compile(job)
+            job.seconds += time.perf_counter() - t0
+            job.raw = _raw_executable(job.executable, job.num_args)
         per_label: dict[str, float] = {label: 0.0 for label, _, _ in self._plans}
         for job in pending:
             per_label[job.label] = per_label.get(job.label, 0.0) + job.seconds
@@ -174,18 +349,27 @@ class PlanCompiler:
                 CompiledCall(
                     name=call.stage.name,
                     executable=job.executable,
+                    raw=job.raw,
                     inputs=call.inputs,
                     outputs=call.outputs,
                     meta=meta,
-                    param_leaves=tuple(jax.tree_util.tree_leaves(call.params)),
+                    param_leaves=self._bound_leaves(job, call),
                 )
                 for job, call, meta in bound
             )
-            compiled[label] = CompiledPlan(plan=plan, label=label, calls=calls)
+            input_specs, meta_specs = self._specs[label]
+            compiled[label] = CompiledPlan(plan=plan, label=label, calls=calls,
+                                           input_specs=input_specs, meta_specs=meta_specs,
+                                           meta_sharding=self._replicated,
+                                           blocking=self._blocking)
         summary = CompileSummary(
             num_executables=len(self._jobs),
             num_calls=sum(len(bound) for _, _, bound in self._plans),
             seconds_per_label=per_label,
             total_seconds=time.perf_counter() - start,
+            num_loaded=sum(job.loaded for job in pending),
+            num_compiled=sum(not job.loaded for job in pending),
+            load_seconds=sum(job.seconds for job in pending if job.loaded),
+            compile_seconds=sum(job.seconds for job in pending if not job.loaded),
         )
         return compiled, summary

@@ -52,7 +52,7 @@ class _ShapeRecorder(logging.Filter):
         self.threshold = threshold
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg.startswith("Compiling") and record.args:
+        if isinstance(record.msg, str) and record.msg.startswith("Compiling") and record.args:
             _last_shapes.value = str(record.args[1])
         return record.levelno >= self.threshold
 
@@ -84,6 +84,12 @@ def allowed(reason: str) -> contextlib.AbstractContextManager[None]:
 def startup() -> contextlib.AbstractContextManager[None]:
     """Compiles on this thread inside are start-up work: no guard counts them."""
     return _declare("startup", True)
+
+
+def disarm_all() -> None:
+    """Disarm every live guard (a process that is done serving, or a test suite between modules)."""
+    for guard in list(_guards):
+        guard.disarm()
 
 
 def _install() -> None:

@@ -4,8 +4,21 @@
 
 * Each call is one executable invocation with a pre-flattened argument list (inputs, then the
   break's metadata, then the call's bound parameter leaves), so replay does no pytree work and
-  no tracing: a shape that does not match the bucket is a TypeError, never a compile.
-* Each break's metadata is transferred to the device once per run, however many calls use it.
+  no tracing: a shape that does not match the bucket is an error, never a compile. Single-device
+  executables are invoked through the loaded executable directly (about half the host cost of
+  ``Compiled.__call__`` at 20 arguments on the CPU); multi-device (sharded) ones through
+  ``Compiled.__call__``.
+* A sharded plan (``meta_sharding`` set) places its metadata with that (replicated) sharding and
+  moves any input not already on its compiled sharding there (a host array, or a single-device
+  array such as freshly transferred token ids), so every executable sees the shardings it was
+  compiled for.
+* ``blocking`` plans wait for each call's outputs before the next call. The compiler sets it for
+  sharded plans on the CPU, whose in-process collectives deadlock (a rendezvous that never
+  completes) when several multi-device executions are in flight at once; on accelerators calls
+  stay asynchronous.
+* Each break's metadata is transferred to the device once per run, however many calls use it,
+  all breaks' metadata in one ``device_put`` call (pack it into few arrays: each array is one
+  host->device copy).
 * Donated inputs are consumed (their buffers become the outputs); the caller must not reuse
   arrays it passed as donated plan inputs.
 * ``run_eager`` executes the same plan op by op with no compile of the plan (plain JAX): it is
@@ -15,7 +28,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,14 +37,15 @@ import jax
 from tokenspeed_jax.graph.plan import Break, Call, Plan
 
 
-def call_stage(call: Call, meta: Mapping[str, Any], values: Mapping[str, Any]) -> tuple:
+def call_stage(call: Call, meta: Mapping[str, Any], values: Mapping[str, Any],
+               params: Any) -> tuple:
     """Run one call's function directly on ``values``; outputs always as a tuple."""
     stage = call.stage
     inputs = [values[n] for n in call.inputs]
     if isinstance(stage, Break):
-        out = stage.fn(call.params, meta[stage.name], *inputs)
+        out = stage.fn(params, meta[stage.name], *inputs)
     else:
-        out = stage.fn(call.params, *inputs)
+        out = stage.fn(params, *inputs)
     out = out if isinstance(out, tuple) else (out,)
     if len(out) != len(stage.outputs):
         raise ValueError(
@@ -39,12 +54,45 @@ def call_stage(call: Call, meta: Mapping[str, Any], values: Mapping[str, Any]) -
     return out
 
 
-def run_eager(plan: Plan, inputs: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The plan as plain JAX, call by call; also traceable as one whole-forward ``jax.jit``."""
+def run_eager(
+    plan: Plan,
+    inputs: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    params: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """The plan as plain JAX, call by call.
+
+    ``params`` (one entry per call) replaces the calls' bound parameters: pass them as
+    arguments to trace the whole plan as one ``jax.jit`` without baking weights in as constants
+    (see ``whole_forward``).
+    """
+    params = [c.params for c in plan.calls] if params is None else params
+    if len(params) != len(plan.calls):
+        raise ValueError(f"{len(params)} parameter entries for {len(plan.calls)} calls")
     values = dict(inputs)
-    for call in plan.calls:
-        values.update(zip(call.outputs, call_stage(call, meta, values)))
+    for call, call_params in zip(plan.calls, params):
+        values.update(zip(call.outputs, call_stage(call, meta, values, call_params)))
     return {n: values[n] for n in plan.outputs}
+
+
+def whole_forward(plan: Plan, donate: Sequence[str] = ()) -> tuple[Callable, list[Any]]:
+    """The whole plan as one ``jax.jit``: ``(fn, params)``, call ``fn(params, inputs, meta)``.
+
+    The baseline a segmented plan is measured against: one executable per shape, compiled on
+    first call, with the plan inputs named in ``donate`` donated.
+    """
+
+    def forward(params: list[Any], donated: dict, kept: dict, meta: dict) -> dict[str, Any]:
+        return run_eager(plan, {**donated, **kept}, meta, params)
+
+    jitted = jax.jit(forward, donate_argnums=(1,))
+
+    def fn(params: list[Any], inputs: Mapping[str, Any], meta: Mapping[str, Any]):
+        donated = {n: v for n, v in inputs.items() if n in donate}
+        kept = {n: v for n, v in inputs.items() if n not in donate}
+        return jitted(params, donated, kept, dict(meta))
+
+    return fn, [c.params for c in plan.calls]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +105,7 @@ class CompiledCall:
     outputs: tuple[str, ...]
     meta: str | None
     param_leaves: tuple[Any, ...]
+    raw: Any = None  # the loaded executable, when it can be called with the flat list directly
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +115,31 @@ class CompiledPlan:
     plan: Plan
     label: str
     calls: tuple[CompiledCall, ...]
+    input_specs: Mapping[str, Any]  # name -> ShapeDtypeStruct of each plan input
+    meta_specs: Mapping[str, Any]  # break name -> ShapeDtypeStruct pytree
+    meta_sharding: Any = None  # sharded plans: where metadata (and unplaced inputs) go
+    blocking: bool = False  # wait for each call (sharded plans on the CPU; module docstring)
+
+    def _placed(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        placed = dict(inputs)
+        for name, spec in self.input_specs.items():
+            value = placed[name]
+            if getattr(value, "sharding", None) != spec.sharding:
+                placed[name] = jax.device_put(value, spec.sharding)
+        return placed
+
+    def _check(self, what: str, value: Any, spec: Any) -> None:
+        if value.shape != spec.shape or value.dtype != spec.dtype:
+            raise TypeError(
+                f"{self.label}: {what} is {value.dtype}{list(value.shape)}, the bucket was "
+                f"compiled for {spec.dtype}{list(spec.shape)}"
+            )
+
+    @functools.cached_property
+    def _meta_leaf_specs(self) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """(break name, its metadata leaf specs) per break, flattened once."""
+        return tuple((name, tuple(jax.tree_util.tree_leaves(self.meta_specs[name])))
+                     for name in self.plan.breaks)
 
     def run(self, inputs: Mapping[str, Any], meta: Mapping[str, Any] | None = None
             ) -> dict[str, Any]:
@@ -74,15 +148,37 @@ class CompiledPlan:
         missing = [n for n in self.plan.breaks if n not in meta]
         if missing:
             raise ValueError(f"{self.label}: no metadata for breaks {missing}")
-        device_meta = {n: jax.tree_util.tree_leaves(jax.device_put(meta[n]))
-                       for n in self.plan.breaks}
+        for name, spec in self.input_specs.items():
+            self._check(f"input {name!r}", inputs[name], spec)
+        if self.meta_sharding is not None:
+            inputs = self._placed(inputs)
+        host_leaves, counts = [], []
+        for name, specs in self._meta_leaf_specs:
+            leaves = jax.tree_util.tree_leaves(meta[name])
+            if len(leaves) != len(specs):
+                raise TypeError(f"{self.label}: metadata of {name!r} has {len(leaves)} arrays, "
+                                f"expected {len(specs)}")
+            for leaf, spec in zip(leaves, specs):
+                self._check(f"metadata of {name!r}", leaf, spec)
+            host_leaves += leaves
+            counts.append((name, len(leaves)))
+        placed = jax.device_put(host_leaves, self.meta_sharding)  # one transfer call per run
+        device_meta, start = {}, 0
+        for name, count in counts:
+            device_meta[name] = placed[start:start + count]
+            start += count
         values = dict(inputs)
         for call in self.calls:
             args = [values[n] for n in call.inputs]
             if call.meta is not None:
                 args += device_meta[call.meta]
             args += call.param_leaves
-            outs = call.executable(*args)
-            for name, out in zip(call.outputs, outs):
-                values[name] = out
+            if call.raw is not None:
+                results = call.raw.execute_sharded(args)
+                outs = [shards[0] for shards in results.disassemble_into_single_device_arrays()]
+            else:
+                outs = call.executable(*args)
+                if self.blocking:
+                    jax.block_until_ready(outs)
+            values.update(zip(call.outputs, outs))
         return {n: values[n] for n in self.plan.outputs}

@@ -1,15 +1,23 @@
-"""Attention at the break: paged K/V writes, prefill over paged KV, and decode (plain JAX).
+"""Attention at the break: paged K/V writes, prefill over the step and its cached context, decode.
 
-The paged KV cache of one layer is ``k_pages, v_pages [num_pages, page_size, Hkv, Dh]``; slot
-``s`` is page ``s // page_size``, row ``s % page_size``. Invariants:
+The paged KV cache of one layer is ``k_pages, v_pages [Hkv, num_pages, page_size, Dh]`` (the
+layout of JAX's Pallas paged-attention op); slot ``s`` is page ``s // page_size``, row
+``s % page_size``. Invariants:
 
 * ``write_kv`` writes token ``t`` at slot ``slot_mapping[t]``; a slot < 0 (a padding token) writes
   nothing (it is sent out of range and dropped), so padding never touches a real page.
-* A query reads only its own request's pages, positions 0..its own position (causal, prefix pages
+* A query reads only its own request's keys, positions 0..its own position (causal, prefix pages
   included); a query with ``token_request < 0`` or position < 0 is padding and gets zeros.
+* Prefill attends over the step's own packed K/V (block-diagonal causal mask from per-token
+  request ids and positions) plus the cached context, gathered as a packed list of slots that
+  holds only the positions before each request's first token of this step. Its cost is
+  ``T x (T + context)``: no factor of the request count, nothing of ``max_model_len``.
+* Decode reads each request's pages up to its position: through the Pallas op on a GPU, through
+  ``paged_decode_attention_reference`` (which gathers the whole page table) elsewhere; the choice
+  is ``paged_attention_backend.DecodeKernel``, made once.
 * Page-table entries beyond a request's length may hold any valid page id: they are masked.
 * The arithmetic is ``attention_ref.masked_attention``'s (float32 softmax, GQA grouping), so the
-  kernels match the reference forward exactly on real tokens.
+  kernels match the reference forward on real tokens up to float summation order.
 """
 
 from __future__ import annotations
@@ -18,68 +26,99 @@ import jax
 import jax.numpy as jnp
 
 from tokenspeed_jax.kernels.attention_ref import masked_attention
+from tokenspeed_jax.kernels.paged_attention_backend import (
+    PALLAS,
+    REFERENCE_KERNEL,
+    DecodeKernel,
+    pallas_paged_decode,
+)
 
 
 def write_kv(
-    pages: jax.Array,  # [num_pages, page_size, Hkv, Dh]
+    pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
     new: jax.Array,  # [T, Hkv, Dh]
     slot_mapping: jax.Array,  # i32[T]; < 0 writes nothing
-) -> jax.Array:  # [num_pages, page_size, Hkv, Dh]
+) -> jax.Array:  # [Hkv, num_pages, page_size, Dh]
     """``pages`` with ``new`` scattered into the slots of ``slot_mapping``."""
-    num_pages, page_size = pages.shape[:2]
+    num_kv_heads, num_pages, page_size, head_dim = pages.shape
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
-    flat = pages.reshape(num_slots, *pages.shape[2:])
-    flat = flat.at[slots].set(new.astype(pages.dtype), mode="drop")
+    flat = pages.reshape(num_kv_heads, num_slots, head_dim)
+    flat = flat.at[:, slots].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype), mode="drop")
     return flat.reshape(pages.shape)
 
 
-def gather_pages(pages: jax.Array, page_tables: jax.Array) -> jax.Array:
-    """[num_pages, P, ...] pages, page_tables i32[B, n] -> each request's context [B, n*P, ...]."""
-    batch, width = page_tables.shape
-    ctx = jnp.take(pages, page_tables, axis=0, mode="clip")  # [B, n, page_size, Hkv, Dh]
-    return ctx.reshape(batch, width * pages.shape[1], *pages.shape[2:])
+def gather_slots(pages: jax.Array, slots: jax.Array) -> jax.Array:
+    """[Hkv, num_pages, page_size, Dh] pages, slots i32[...] -> [..., Hkv, Dh] (clipped ids)."""
+    num_kv_heads, num_pages, page_size, head_dim = pages.shape
+    flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    picked = jnp.take(flat, slots.reshape(-1), axis=1, mode="clip")  # [Hkv, S, Dh]
+    return jnp.swapaxes(picked, 0, 1).reshape(*slots.shape, num_kv_heads, head_dim)
 
 
 def paged_prefill_attention(
     q: jax.Array,  # [T, Hq, Dh]
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, Dh], this step's K already written
-    v_pages: jax.Array,  # [num_pages, page_size, Hkv, Dh]
-    page_tables: jax.Array,  # i32[B, P]
-    token_request: jax.Array,  # i32[T]: row of page_tables each token belongs to; < 0 = padding
-    positions: jax.Array,  # i32[T]
+    k: jax.Array,  # [T, Hkv, Dh]: this step's keys
+    v: jax.Array,  # [T, Hkv, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    token_request: jax.Array,  # i32[T]: request index of each token; < 0 = padding
+    positions: jax.Array,  # i32[T]; < 0 = padding
+    context_slots: jax.Array,  # i32[C]: cache slots of the requests' earlier positions
+    context_request: jax.Array,  # i32[C]: request index of each context slot; < 0 = padding
     *,
     scale: float,
 ) -> jax.Array:  # [T, Hq, Dh]
-    """Causal attention of a packed batch of prompts (with prefix pages) over the paged cache.
+    """Causal attention of a packed batch of prompt pieces over themselves and their context.
 
-    All requests' contexts are laid side by side ([B * P * page_size] slots) and each token's mask
-    admits only its own request's slots up to its position.
+    Context slots hold positions before the first token of their request in this step, so every
+    query of that request may read them all; this step's keys are read causally.
     """
-    batch, width = page_tables.shape
-    context = width * k_pages.shape[1]
-    k = gather_pages(k_pages, page_tables).reshape(1, batch * context, *k_pages.shape[2:])
-    v = gather_pages(v_pages, page_tables).reshape(1, batch * context, *v_pages.shape[2:])
-    slot_request = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), context)  # [B * C]
-    slot_position = jnp.tile(jnp.arange(context, dtype=jnp.int32), batch)
-    mask = ((slot_request[None, :] == token_request[:, None])
-            & (slot_position[None, :] <= positions[:, None])
-            & (positions[:, None] >= 0))
-    return masked_attention(q[None], k, v, mask[None], scale=scale)[0]
+    real = positions >= 0
+    same = token_request[None, :] == token_request[:, None]
+    causal = positions[None, :] <= positions[:, None]
+    own = same & causal & real[None, :] & real[:, None]  # [T, T]
+    context = ((context_request[None, :] == token_request[:, None])
+               & (context_request[None, :] >= 0) & real[:, None])  # [T, C]
+    keys = jnp.concatenate([k.astype(k_pages.dtype), gather_slots(k_pages, context_slots)])
+    values = jnp.concatenate([v.astype(v_pages.dtype), gather_slots(v_pages, context_slots)])
+    mask = jnp.concatenate([own, context], axis=1)
+    return masked_attention(q[None], keys[None], values[None], mask[None], scale=scale)[0]
 
 
-def paged_decode_attention(
+def paged_decode_attention_reference(
     q: jax.Array,  # [B, Hq, Dh]: one query per request
-    k_pages: jax.Array,  # [num_pages, page_size, Hkv, Dh], this step's K already written
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh], this step's K already written
     v_pages: jax.Array,
     page_tables: jax.Array,  # i32[B, P]
     positions: jax.Array,  # i32[B]; < 0 = padding row
     *,
     scale: float,
 ) -> jax.Array:  # [B, Hq, Dh]
-    """Each request's single query over its own pages, positions 0..its position."""
-    k = gather_pages(k_pages, page_tables)  # [B, C, Hkv, Dh]
-    v = gather_pages(v_pages, page_tables)
-    slots = jnp.arange(k.shape[1], dtype=jnp.int32)
-    mask = (slots[None, :] <= positions[:, None]) & (positions[:, None] >= 0)  # [B, C]
+    """Each request's single query over its own whole page table, masked to 0..its position."""
+    page_size = k_pages.shape[2]
+    slots = (page_tables[:, :, None] * page_size
+             + jnp.arange(page_size, dtype=page_tables.dtype)).reshape(page_tables.shape[0], -1)
+    k = gather_slots(k_pages, slots)  # [B, P * page_size, Hkv, Dh]
+    v = gather_slots(v_pages, slots)
+    index = jnp.arange(slots.shape[1], dtype=jnp.int32)
+    mask = (index[None, :] <= positions[:, None]) & (positions[:, None] >= 0)  # [B, C]
     return masked_attention(q[:, None], k, v, mask[:, None, :], scale=scale)[:, 0]
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [B, Hq, Dh]: one query per request
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh], this step's K already written
+    v_pages: jax.Array,
+    page_tables: jax.Array,  # i32[B, P]
+    positions: jax.Array,  # i32[B]; < 0 = padding row
+    *,
+    scale: float,
+    kernel: DecodeKernel = REFERENCE_KERNEL,
+) -> jax.Array:  # [B, Hq, Dh]
+    """Decode attention through ``kernel``'s backend (the reference by default)."""
+    if kernel.backend == PALLAS:
+        return pallas_paged_decode(kernel, q, k_pages, v_pages, page_tables, positions,
+                                   scale=scale)
+    return paged_decode_attention_reference(q, k_pages, v_pages, page_tables, positions,
+                                            scale=scale)

@@ -3,10 +3,13 @@
 The function is the one `kda_ref` defines (token recurrence with per-channel decay and a delta
 rule). Prefill runs in two kernels over 64-token chunks:
 
-1. `_intra_chunk_kernel`, one program per (chunk, value head), all in parallel: the in-chunk part
+1. The per-chunk kernel, one program per (chunk, value head), all in parallel: the in-chunk part
    of the WY/UT transform. It builds the strictly lower key-key matrix L and the causal query-key
-   matrix, inverts (I + L) by forward substitution, and writes w, u, decayed q and k, and the
-   query-key matrix.
+   matrix, inverts (I + L), and writes w, u, decayed q and k, the query-key matrix and the chunk's
+   total log decay. `ChunkConfig.intra` picks the version: "blocked" (`kda_intra`, 16 x 16
+   sub-blocks, all dots; the default) or "substitution" (`_substitution_intra_kernel`, the first
+   version: 64 x 64 forward substitution one row per step), kept until both are timed side by side
+   on the GPU.
 2. `_state_scan_kernel`, one program per (request, value head, block of V): walks the request's
    chunks in order, carrying the [K, block_v] fp32 state, and writes the output.
 
@@ -44,7 +47,13 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE, check_shapes, fla_to_packed, prepare_qkg
+from tokenspeed_jax.kernels.kda_intra import SUB_BLOCK, dot, dot_nt, dot_tn, intra_chunk_kernel
+from tokenspeed_jax.kernels.kda_ref import (
+    CHUNK_SIZE,
+    check_pool_call,
+    fla_to_packed,
+    prepare_qkg,
+)
 
 __all__ = [
     "ChunkConfig",
@@ -54,34 +63,18 @@ __all__ = [
     "fused_recurrent_kda_pool",
 ]
 
-SUB_BLOCK = 16  # rows sharing one decay reference point; also Triton's smallest dot tile
-
-
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
     """Tuning knobs of the chunked prefill kernels."""
 
     block_v: int = 32  # V columns of state per scan program
     key_split: int = 32  # K columns per step of the exact in-block decay products
+    # "substitution" (row-by-row over 64 x 64; the timed default) or "blocked" (kda_intra: 16 x 16
+    # sub-blocks; correct on the GPU, not yet timed, and slow to compile: see docs/benchmarks.md)
+    intra: str = "substitution"
     intra_num_warps: int = 8
     scan_num_warps: int = 4
     num_stages: int = 2
-
-
-def _dot_nt(a, b, precision):
-    """a @ b.T"""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b, precision):
-    """a.T @ b"""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
-
-
-def _dot(a, b, precision):
-    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _place_block(block, row0, col0, rows, cols):
@@ -92,10 +85,10 @@ def _place_block(block, row0, col0, rows, cols):
                == lax.broadcasted_iota(jnp.int32, (size, cols), 0) + col0).astype(jnp.float32)
     to_rows = (lax.broadcasted_iota(jnp.int32, (rows, size), 0)
                == lax.broadcasted_iota(jnp.int32, (rows, size), 1) + row0).astype(jnp.float32)
-    return _dot(to_rows, _dot(block, to_cols, exact), exact)
+    return dot(to_rows, dot(block, to_cols, exact), exact)
 
 
-def _intra_chunk_kernel(
+def _substitution_intra_kernel(
     q_ref,  # [C, K]
     k_ref,  # [C, K]
     v_ref,  # [C, V]
@@ -135,8 +128,8 @@ def _intra_chunk_kernel(
         g_ref_row = gc_ref[b * SUB_BLOCK, :][None, :]
         k_right = k * jnp.exp(jnp.minimum(g_ref_row - gc, 0.0))
         in_block = (rows // SUB_BLOCK == b) & (cols < b * SUB_BLOCK)
-        kk += jnp.where(in_block, _dot_nt(k_left, k_right, precision), 0.0)
-        qk += jnp.where(in_block, _dot_nt(q_left, k_right, precision), 0.0)
+        kk += jnp.where(in_block, dot_nt(k_left, k_right, precision), 0.0)
+        qk += jnp.where(in_block, dot_nt(q_left, k_right, precision), 0.0)
 
     # Diagonal sub-blocks: exact pairwise decays, a slice of K at a time.
     sub_rows = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 0)
@@ -167,8 +160,8 @@ def _intra_chunk_kernel(
 
     t_mat = lax.fori_loop(1, chunk, substitute, (rows == cols).astype(f32))
     decay = jnp.exp(gc)
-    w_ref[...] = _dot(t_mat, k * decay * beta[:, None], precision).astype(w_ref.dtype)
-    u_ref[...] = _dot(t_mat, v_ref[...].astype(f32) * beta[:, None], precision).astype(u_ref.dtype)
+    w_ref[...] = dot(t_mat, k * decay * beta[:, None], precision).astype(w_ref.dtype)
+    u_ref[...] = dot(t_mat, v_ref[...].astype(f32) * beta[:, None], precision).astype(u_ref.dtype)
     qg_ref[...] = (q * decay).astype(qg_ref.dtype)
     kg_ref[...] = (k * jnp.exp(gc_ref[chunk - 1, :][None, :] - gc)).astype(kg_ref.dtype)
     aqk_ref[...] = qk.astype(aqk_ref.dtype)
@@ -181,7 +174,7 @@ def _state_scan_kernel(
     kg_ref,  # [HV, NC, C, K]
     u_ref,  # [HV, NC, C, V]
     aqk_ref,  # [HV, NC, C, C]
-    gc_ref,  # [NC, C, HV, K] fp32
+    glast_ref,  # [HV, NC, K] fp32, each chunk's total log decay
     pool_ref,  # [P, HV, K, V] fp32, aliased with pool_out_ref
     o_ref,  # [HV, NC, C, V]
     pool_out_ref,  # [P, HV, K, V] fp32
@@ -193,7 +186,6 @@ def _state_scan_kernel(
     chunk_begin, chunk_ckpt, chunk_end = table_ref[n, 0], table_ref[n, 1], table_ref[n, 2]
     slot, ckpt_slot = table_ref[n, 3], table_ref[n, 4]
     head_k = qg_ref.shape[-1]
-    last = gc_ref.shape[1] - 1
     cols = pl.ds(v_block * block_v, block_v)
     dot_dtype = w_ref.dtype
 
@@ -205,14 +197,14 @@ def _state_scan_kernel(
 
     def chunk_step(c, state):
         state_in = state.astype(dot_dtype)
-        v_new = u_ref[head, c, :, cols].astype(jnp.float32) - _dot(w_ref[head, c], state_in,
+        v_new = u_ref[head, c, :, cols].astype(jnp.float32) - dot(w_ref[head, c], state_in,
                                                                    precision)
         v_new_in = v_new.astype(dot_dtype)
-        out = _dot(qg_ref[head, c], state_in, precision) + _dot(aqk_ref[head, c], v_new_in,
+        out = dot(qg_ref[head, c], state_in, precision) + dot(aqk_ref[head, c], v_new_in,
                                                                   precision)
         o_ref[head, c, :, cols] = out.astype(o_ref.dtype)
-        chunk_decay = jnp.exp(gc_ref[c, last, head, :])
-        return state * chunk_decay[:, None] + _dot_tn(kg_ref[head, c], v_new_in, precision)
+        chunk_decay = jnp.exp(glast_ref[head, c, :])
+        return state * chunk_decay[:, None] + dot_tn(kg_ref[head, c], v_new_in, precision)
 
     state = lax.fori_loop(chunk_begin, chunk_ckpt, chunk_step, state)
 
@@ -288,23 +280,16 @@ def chunk_kda_prefill(
     Returns (o [T, HV, V] in v's dtype, updated pool). Tokens past cu_seqlens[-1] get zeros.
     """
     interpret = pallas_backend.resolve_interpret(interpret)
-    if q.ndim != 3:
-        raise ValueError(f"q must be packed [T, H, K], got {q.shape=}")
-    _, T, H, K, HV, V = check_shapes(q[None], k[None], v[None], g[None], beta[None])
-    num_requests = slots.shape[0]
-    if cu_seqlens.shape != (num_requests + 1,):
-        raise ValueError(f"cu_seqlens must be [N + 1] for N={num_requests} slots, "
-                         f"got {cu_seqlens.shape=}")
-    if state_pool.ndim != 4 or state_pool.shape[1:] != (HV, K, V):
-        raise ValueError(f"state_pool must be [P, {HV}, {K}, {V}], got {state_pool.shape=}")
-    if state_pool.dtype != jnp.float32:
-        raise TypeError(f"state_pool must be float32, got {state_pool.dtype}")
+    T, H, K, HV, V, num_requests = check_pool_call(
+        q, k, v, g, beta, state_pool, slots, cu_seqlens)
     if (checkpoint_offsets is None) != (checkpoint_slots is None):
         raise ValueError("checkpoint_offsets and checkpoint_slots come together")
     block_v = min(config.block_v, V)
     key_split = min(config.key_split, K)
     if V % block_v or K % key_split:
         raise ValueError(f"{V=} must be a multiple of {block_v=} and {K=} of {key_split=}")
+    if config.intra not in ("blocked", "substitution"):
+        raise ValueError(f"config.intra must be 'blocked' or 'substitution', got {config.intra!r}")
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -316,7 +301,6 @@ def chunk_kda_prefill(
     num_chunks = pl.cdiv(T, CHUNK_SIZE) + num_requests
     token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)
     q_c, k_c, v_c, g_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, v, g, beta))
-    gc = jnp.cumsum(g_c, axis=1)
 
     C = CHUNK_SIZE
     squeezed = pl.squeezed
@@ -331,19 +315,33 @@ def chunk_kda_prefill(
     def chunked(width, dtype):
         return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dtype)
 
-    qg, w, kg, u, aqk = pl.pallas_call(
-        functools.partial(_intra_chunk_kernel, scale=scale, key_split=key_split,
-                          precision=precision),
-        grid=(num_chunks, HV),
-        in_specs=[qk_spec, qk_spec, per_head_v, per_head_k, beta_spec],
-        out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V), out_spec(C)],
-        out_shape=[chunked(K, dot_dtype), chunked(K, dot_dtype), chunked(K, dot_dtype),
-                   chunked(V, dot_dtype), chunked(C, dot_dtype)],
-        compiler_params=pallas_backend.compiler_params(
+    out_specs = [out_spec(K), out_spec(K), out_spec(K), out_spec(V), out_spec(C)]
+    out_shape = [chunked(K, dot_dtype), chunked(K, dot_dtype), chunked(K, dot_dtype),
+                 chunked(V, dot_dtype), chunked(C, dot_dtype)]
+    intra_params = {
+        "grid": (num_chunks, HV),
+        "in_specs": [qk_spec, qk_spec, per_head_v, per_head_k, beta_spec],
+        "compiler_params": pallas_backend.compiler_params(
             num_warps=config.intra_num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="kda_intra_chunk",
-    )(q_c, k_c, v_c, gc, beta_c)
+        "interpret": interpret,
+        "name": "kda_intra_chunk",
+    }
+    kernel_args = {"scale": scale, "key_split": key_split, "precision": precision}
+    if config.intra == "blocked":
+        qg, w, kg, u, aqk, glast = pl.pallas_call(
+            functools.partial(intra_chunk_kernel, **kernel_args),
+            out_specs=[*out_specs, pl.BlockSpec((squeezed, squeezed, K),
+                                                lambda c, h: (h, c, 0))],
+            out_shape=[*out_shape, jax.ShapeDtypeStruct((HV, num_chunks, K), jnp.float32)],
+            **intra_params,
+        )(q_c, k_c, v_c, g_c, beta_c)
+    else:
+        gc = jnp.cumsum(g_c, axis=1)
+        qg, w, kg, u, aqk = pl.pallas_call(
+            functools.partial(_substitution_intra_kernel, **kernel_args),
+            out_specs=out_specs, out_shape=out_shape, **intra_params,
+        )(q_c, k_c, v_c, gc, beta_c)
+        glast = jnp.transpose(gc[:, -1], (1, 0, 2))
 
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     ckpt_chunk, ckpt_slot = first_chunk[:-1], jnp.full((num_requests,), -1, jnp.int32)
@@ -365,7 +363,7 @@ def chunk_kda_prefill(
             num_warps=config.scan_num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="kda_state_scan",
-    )(table, qg, w, kg, u, aqk, gc, state_pool)
+    )(table, qg, w, kg, u, aqk, glast, state_pool)
     o_rows = jnp.transpose(o_c, (1, 2, 0, 3)).reshape(num_chunks * C, HV, V)
     o = jnp.take(o_rows, row_of_token, axis=0, mode="fill", fill_value=0)
     return o, state_pool

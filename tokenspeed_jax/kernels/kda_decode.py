@@ -22,7 +22,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.kda_ref import L2NORM_EPS, check_shapes, fla_to_packed, softplus
+from tokenspeed_jax.kernels.kda_ref import (
+    L2NORM_EPS,
+    check_pool_call,
+    fla_to_packed,
+    gate_params,
+    softplus,
+)
 
 __all__ = ["RecurrentConfig", "fused_recurrent_kda", "fused_recurrent_kda_pool", "kda_decode"]
 
@@ -123,32 +129,12 @@ def fused_recurrent_kda_pool(
     and come back as zeros.
     """
     interpret = pallas_backend.resolve_interpret(interpret)
-    if q.ndim != 3:
-        raise ValueError(f"q must be packed [T, H, K], got {q.shape=}")
-    _, T, H, K, HV, V = check_shapes(q[None], k[None], v[None], g[None], beta[None])
-    num_requests = slots.shape[0]
-    if cu_seqlens.shape != (num_requests + 1,):
-        raise ValueError(f"cu_seqlens must be [N + 1] for N={num_requests} slots, "
-                         f"got {cu_seqlens.shape=}")
-    if state_pool.ndim != 4 or state_pool.shape[1:] != (HV, K, V):
-        raise ValueError(f"state_pool must be [P, {HV}, {K}, {V}], got {state_pool.shape=}")
-    if state_pool.dtype != jnp.float32:
-        raise TypeError(f"state_pool must be float32, got {state_pool.dtype}")
+    T, H, K, HV, V, num_requests = check_pool_call(
+        q, k, v, g, beta, state_pool, slots, cu_seqlens)
     block_v = min(config.block_v, V)
     if V % block_v:
         raise ValueError(f"{V=} must be a multiple of {block_v=}")
-    gate_args = ()
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("use_gate_in_kernel=True needs A_log")
-        if A_log.size != HV:
-            raise ValueError(f"A_log has {A_log.size} elements, expected HV={HV}")
-        bias = jnp.zeros((HV, K), jnp.float32) if dt_bias is None else dt_bias
-        if bias.size != HV * K:
-            raise ValueError(f"dt_bias has {bias.size} elements, expected HV*K={HV * K}")
-        gate_args = (A_log.reshape(HV).astype(jnp.float32), bias.reshape(HV, K))
-    elif A_log is not None or dt_bias is not None:
-        raise ValueError("A_log and dt_bias are only used with use_gate_in_kernel=True")
+    gate_args = gate_params(use_gate_in_kernel, A_log, dt_bias, HV, K) or ()
     scale = K**-0.5 if scale is None else float(scale)
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     table = jnp.stack([cu_seqlens[:-1], cu_seqlens[1:], slots.astype(jnp.int32)], axis=1)

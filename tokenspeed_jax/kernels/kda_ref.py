@@ -35,23 +35,47 @@ def softplus(x: jax.Array) -> jax.Array:
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
+def gate_params(
+    use_gate_in_kernel: bool,
+    A_log: jax.Array | None,
+    dt_bias: jax.Array | None,
+    num_heads: int,
+    head_dim: int,
+) -> tuple[jax.Array, jax.Array] | None:
+    """Checks the gate's parameters against `use_gate_in_kernel`; returns None without the gate,
+    else (A_log [HV], dt_bias [HV, K]) in fp32, a missing dt_bias as zeros.
+
+    A_log has HV elements; dt_bias has HV * K elements (any shape of that size) or is None.
+    """
+    if not use_gate_in_kernel:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log and dt_bias are only used with use_gate_in_kernel=True")
+        return None
+    if A_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log")
+    if A_log.size != num_heads:
+        raise ValueError(f"A_log has {A_log.size} elements, expected HV={num_heads}")
+    if dt_bias is None:
+        dt_bias = jnp.zeros((num_heads, head_dim), jnp.float32)
+    if dt_bias.size != num_heads * head_dim:
+        raise ValueError(
+            f"dt_bias has {dt_bias.size} elements, expected HV*K={num_heads * head_dim}"
+        )
+    return (A_log.reshape(num_heads).astype(jnp.float32),
+            dt_bias.reshape(num_heads, head_dim).astype(jnp.float32))
+
+
 def kda_gate(g: jax.Array, A_log: jax.Array, dt_bias: jax.Array | None = None) -> jax.Array:
     """Log-space decay -exp(A_log) * softplus(g + dt_bias) in fp32; g is [..., HV, K].
 
     A_log has HV elements; dt_bias has HV * K elements (any shape of that size) or is None.
     """
-    num_heads, head_dim = g.shape[-2:]
-    if A_log.size != num_heads:
-        raise ValueError(f"A_log has {A_log.size} elements, expected HV={num_heads}")
-    g = g.astype(jnp.float32)
-    if dt_bias is not None:
-        if dt_bias.size != num_heads * head_dim:
-            raise ValueError(
-                f"dt_bias has {dt_bias.size} elements, expected HV*K={num_heads * head_dim}"
-            )
-        g = g + dt_bias.reshape(num_heads, head_dim).astype(jnp.float32)
-    decay_rate = jnp.exp(A_log.reshape(num_heads, 1).astype(jnp.float32))
-    return -decay_rate * softplus(g)
+    return _gate(g, *gate_params(True, A_log, dt_bias, *g.shape[-2:]))
+
+
+def _gate(g: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """-exp(A_log) * softplus(g + dt_bias) for parameters checked by `gate_params`."""
+    return -jnp.exp(A_log)[:, None] * softplus(g.astype(jnp.float32) + dt_bias)
 
 
 def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
@@ -73,12 +97,9 @@ def prepare_qkg(
     """Applies the optional q/k normalisation and gate; g comes back in fp32 log space."""
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("use_gate_in_kernel=True needs A_log")
-        g = kda_gate(g, A_log, dt_bias)
-    elif A_log is not None or dt_bias is not None:
-        raise ValueError("A_log and dt_bias are only used with use_gate_in_kernel=True")
+    gate = gate_params(use_gate_in_kernel, A_log, dt_bias, *g.shape[-2:])
+    if gate is not None:
+        g = _gate(g, *gate)
     return q, k, g.astype(jnp.float32)
 
 
@@ -97,6 +118,31 @@ def check_shapes(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
     if beta.shape != (B, T, HV):
         raise ValueError(f"beta must be [B, T, HV]={(B, T, HV)}, got {beta.shape=}")
     return B, T, H, K, HV, V
+
+
+def check_pool_call(q, k, v, g, beta, state_pool, slots, cu_seqlens) -> tuple[int, ...]:
+    """Checks a packed pool call (q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
+    state_pool [P, HV, K, V] fp32; slots [N]; cu_seqlens [N + 1]) and returns (T, H, K, HV, V, N).
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be packed [T, H, K], got {q.shape=}")
+    _, T, H, K, HV, V = check_shapes(q[None], k[None], v[None], g[None], beta[None])
+    num_requests = slots.shape[0]
+    if cu_seqlens.shape != (num_requests + 1,):
+        raise ValueError(f"cu_seqlens must be [N + 1] for N={num_requests} slots, "
+                         f"got {cu_seqlens.shape=}")
+    if state_pool.ndim != 4 or state_pool.shape[1:] != (HV, K, V):
+        raise ValueError(f"state_pool must be [P, {HV}, {K}, {V}], got {state_pool.shape=}")
+    if state_pool.dtype != jnp.float32:
+        raise TypeError(f"state_pool must be float32, got {state_pool.dtype}")
+    return T, H, K, HV, V, num_requests
+
+
+def check_initial_state(initial_state, num_seqs: int, HV: int, K: int, V: int) -> None:
+    """Checks that initial_state, when given, is [N, HV, K, V]."""
+    if initial_state is not None and initial_state.shape != (num_seqs, HV, K, V):
+        raise ValueError(f"initial_state must be [N, HV, K, V]={(num_seqs, HV, K, V)}, "
+                         f"got {initial_state.shape}")
 
 
 def sequence_bounds(cu_seqlens, batch: int, seq_len: int) -> np.ndarray:
@@ -120,11 +166,9 @@ def fla_to_packed(q, k, v, g, beta, initial_state, cu_seqlens):
     elif B != 1:
         raise ValueError(f"with cu_seqlens the batch size must be 1, got {B}")
     num_seqs = cu_seqlens.shape[0] - 1
+    check_initial_state(initial_state, num_seqs, HV, K, V)
     if initial_state is None:
         pool = jnp.zeros((num_seqs, HV, K, V), jnp.float32)
-    elif initial_state.shape != (num_seqs, HV, K, V):
-        raise ValueError(f"initial_state must be [N, HV, K, V]={(num_seqs, HV, K, V)}, "
-                         f"got {initial_state.shape}")
     else:
         pool = initial_state.astype(jnp.float32)
     packed = tuple(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
@@ -193,10 +237,7 @@ def _kda_reference(
     B, T, H, K, HV, V = check_shapes(q, k, v, g, beta)
     cu = sequence_bounds(cu_seqlens, B, T)
     num_seqs = cu.size - 1
-    if initial_state is not None and initial_state.shape != (num_seqs, HV, K, V):
-        raise ValueError(
-            f"initial_state must be [N, HV, K, V]={(num_seqs, HV, K, V)}, got {initial_state.shape}"
-        )
+    check_initial_state(initial_state, num_seqs, HV, K, V)
     scale = K**-0.5 if scale is None else scale
     out_dtype = v.dtype
     q, k, g = prepare_qkg(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,35 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: file not found") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def check_tensor(source: str, name: str, shape: tuple[int, ...], expected: tuple[int, ...],
+                 filled: set[str]) -> None:
+    """A checkpoint tensor must come once and have the HF-layout shape its weight map expects."""
+    if name in filled:
+        raise ValueError(f"{source}: tensor {name!r} appears more than once")
+    if tuple(shape) != expected:
+        raise ValueError(f"{source}: tensor {name!r} has shape {tuple(shape)}, "
+                         f"expected {expected}")
+
+
+def check_all_used(source: str, model_type: str, unused: list[str], expected: Iterable[str],
+                   filled: set[str]) -> None:
+    """Every checkpoint tensor was used and every expected name was filled."""
+    if unused:
+        raise ValueError(f"{source}: tensors not used by the {model_type} model: {unused}")
+    missing = sorted(set(expected) - filled)
+    if missing:
+        raise ValueError(f"{source}: tensors missing from the checkpoint: {missing}")
+
+
+def leaf_holder(values: dict, path: tuple) -> tuple[dict, Any]:
+    """The nested dict of a pure state dict that holds `path`'s leaf, and the leaf's key."""
+    *parents, leaf = path
+    node = values
+    for key in parents:
+        node = node[key]
+    return node, leaf
 
 
 def is_hf_dir(path: Path) -> bool:

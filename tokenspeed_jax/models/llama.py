@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax.kernels.attention_ref import cache_causal_mask, masked_attention
+from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm, linear, normal_param
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -186,45 +187,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated.astype(x.dtype)
 
 
-def _linear(spec: str, x: jax.Array, weight: nnx.Param, dtype: Any, **kwargs: Any) -> jax.Array:
-    """``einsum(spec, x, weight)`` in the compute dtype; float32 means full float32 (no TF32)."""
-    precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-    return jnp.einsum(spec, x.astype(dtype), weight[...].astype(dtype), precision=precision,
-                      **kwargs)
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
-    return nnx.Param(0.02 * jax.random.normal(rngs.params(), shape, dtype))
-
-
-class RMSNorm(nnx.Module):
-    """RMS normalisation over the last axis, computed in float32."""
-
-    def __init__(self, dim: int, *, eps: float, dtype: Any, param_dtype: Any) -> None:
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.eps = eps
-        self.dtype = dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.weight[...].astype(jnp.float32)).astype(self.dtype)
-
-
 class LlamaMLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config: LlamaConfig, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _normal(rngs, (d, f), param_dtype)
-        self.up_proj = _normal(rngs, (d, f), param_dtype)
-        self.down_proj = _normal(rngs, (f, d), param_dtype)
+        self.gate_proj = normal_param(rngs, (d, f), param_dtype)
+        self.up_proj = normal_param(rngs, (d, f), param_dtype)
+        self.down_proj = normal_param(rngs, (f, d), param_dtype)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = _linear("...D,DF->...F", x, self.gate_proj, self.dtype)
-        up = _linear("...D,DF->...F", x, self.up_proj, self.dtype)
-        return _linear("...F,FD->...D", nnx.silu(gate) * up, self.down_proj, self.dtype)
+        gate = linear("...D,DF->...F", x, self.gate_proj, self.dtype)
+        up = linear("...D,DF->...F", x, self.up_proj, self.dtype)
+        return linear("...F,FD->...D", nnx.silu(gate) * up, self.down_proj, self.dtype)
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -236,10 +212,10 @@ class LlamaDecoderLayer(nnx.Module):
         norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, dtype=dtype,
                                  param_dtype=param_dtype)
         self.input_layernorm = norm(d)
-        self.q_proj = _normal(rngs, (d, hq, dh), param_dtype)
-        self.k_proj = _normal(rngs, (d, hkv, dh), param_dtype)
-        self.v_proj = _normal(rngs, (d, hkv, dh), param_dtype)
-        self.o_proj = _normal(rngs, (hq, dh, d), param_dtype)
+        self.q_proj = normal_param(rngs, (d, hq, dh), param_dtype)
+        self.k_proj = normal_param(rngs, (d, hkv, dh), param_dtype)
+        self.v_proj = normal_param(rngs, (d, hkv, dh), param_dtype)
+        self.o_proj = normal_param(rngs, (hq, dh, d), param_dtype)
         if config.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((hq, dh), param_dtype))
             self.k_bias = nnx.Param(jnp.zeros((hkv, dh), param_dtype))
@@ -253,7 +229,7 @@ class LlamaDecoderLayer(nnx.Module):
         self.dtype = dtype
 
     def _project(self, x: jax.Array, name: str) -> jax.Array:
-        out = _linear("...D,DNH->...NH", x, getattr(self, f"{name}_proj"), self.dtype)
+        out = linear("...D,DNH->...NH", x, getattr(self, f"{name}_proj"), self.dtype)
         if self.config.attention_bias:
             out = out + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         return out
@@ -272,7 +248,7 @@ class LlamaDecoderLayer(nnx.Module):
 
     def attention_outputs(self, hidden: jax.Array, attn: jax.Array) -> jax.Array:
         """hidden [..., T, D] (the layer's input residual), attn [..., T, Hq, Dh] -> [..., T, D]."""
-        o = _linear("...NH,NHD->...D", attn, self.o_proj, self.dtype)
+        o = linear("...NH,NHD->...D", attn, self.o_proj, self.dtype)
         hidden = hidden.astype(self.dtype) + o
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -300,7 +276,7 @@ def _write_slots(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.
     return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(CausalLMBase):
     """Decoder-only causal LM; see the module docstring for the stage interface."""
 
     def __init__(
@@ -314,28 +290,12 @@ class LlamaForCausalLM(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.attention_scale = 1.0 / math.sqrt(config.head_dim)
-        self.embed_tokens = _normal(rngs, (config.vocab_size, config.hidden_size), param_dtype)
+        self.init_embedding(param_dtype, rngs)
         self.layers = nnx.List([
             LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             for _ in range(config.num_hidden_layers)
         ])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
-                            param_dtype=param_dtype)
-        if not config.tie_word_embeddings:
-            self.lm_head = _normal(rngs, (config.hidden_size, config.vocab_size), param_dtype)
-
-    def embed(self, token_ids: jax.Array) -> jax.Array:
-        """int32 [..., T] -> [..., T, D]."""
-        return jnp.take(self.embed_tokens[...], token_ids, axis=0).astype(self.dtype)
-
-    def head(self, hidden: jax.Array) -> jax.Array:
-        """[..., D] -> float32 logits [..., V]."""
-        x = self.norm(hidden)
-        if self.config.tie_word_embeddings:
-            return _linear("...D,VD->...V", x, self.embed_tokens, self.dtype,
-                           preferred_element_type=jnp.float32)
-        return _linear("...D,DV->...V", x, self.lm_head, self.dtype,
-                       preferred_element_type=jnp.float32)
+        self.init_head(param_dtype, rngs)
 
     def __call__(
         self, token_ids: jax.Array, positions: jax.Array, cache: DenseKVCache

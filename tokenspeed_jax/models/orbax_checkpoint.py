@@ -10,6 +10,9 @@ Invariants:
 
 * Restore goes straight into the abstract state of ``nnx.eval_shape``: no random init, no second
   copy; orbax casts to the abstract state's dtype, so any saved dtype loads as any requested one.
+* With a ``mesh``, every leaf of the abstract state carries its tensor-parallel
+  ``NamedSharding`` (``parallel.llama_state_shardings``), so orbax reads each device's shard
+  straight into place.
 * The saved tree must match the model's tree exactly (same paths and shapes); otherwise the
   restore fails with a ValueError naming the directory.
 """
@@ -20,9 +23,12 @@ import json
 import os
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.models.llama import LlamaForCausalLM
 
 STATE_DIR = "nnx_state"
@@ -45,9 +51,17 @@ def save_orbax(model: LlamaForCausalLM, dst: str | os.PathLike) -> None:
     checkpointer.wait_until_finished()
 
 
-def restore_orbax(model_abstract: LlamaForCausalLM, src: str | os.PathLike) -> LlamaForCausalLM:
-    """Fill an abstract model (from ``nnx.eval_shape``) with the state saved under ``src``."""
+def restore_orbax(model_abstract: LlamaForCausalLM, src: str | os.PathLike,
+                  mesh: Mesh | None = None) -> LlamaForCausalLM:
+    """Fill an abstract model (from ``nnx.eval_shape``) with the state saved under ``src``;
+    ``mesh``: restore each tensor sharded over it."""
     graphdef, abstract_state = nnx.split(model_abstract)
+    if mesh is not None:
+        shardings = parallel.llama_state_shardings(abstract_state, model_abstract.config, mesh)
+        abstract_state = jax.tree_util.tree_map(
+            lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype,
+                                                        sharding=sharding),
+            abstract_state, shardings)
     state_dir = (Path(src) / STATE_DIR).absolute()
     try:
         state = ocp.StandardCheckpointer().restore(state_dir, abstract_state)

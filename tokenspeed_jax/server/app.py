@@ -105,29 +105,31 @@ def create_app(state: ServerState) -> FastAPI:
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def generate(body, request: Request, prompts_of, params_of, formatter_type,
+                       id_prefix: str, prompt_field: str):
         engine = ready_engine(body.model)
         tokenizer = engine.engine.tokenizer
-        prompt_ids = translate.chat_prompt_ids(tokenizer, body)
-        params = translate.chat_params(body)
-        formatter = translate.ChatFormatter(
-            f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, tokenizer, body
+        prompts = prompts_of(tokenizer, body)
+        params = params_of(body)
+        formatter = formatter_type(
+            f"{id_prefix}-{uuid.uuid4().hex}", state.served_model_name, tokenizer, body
         )
-        return await _respond(request, engine, metrics, [prompt_ids], params, body.stream,
-                              formatter, "messages")
+        return await _respond(request, engine, metrics, prompts, params, body.stream,
+                              formatter, prompt_field)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await generate(
+            body, request, lambda tokenizer, body: [translate.chat_prompt_ids(tokenizer, body)],
+            translate.chat_params, translate.ChatFormatter, "chatcmpl", "messages",
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        engine = ready_engine(body.model)
-        tokenizer = engine.engine.tokenizer
-        prompts = translate.completion_prompt_ids(tokenizer, body)
-        params = translate.completion_params(body)
-        formatter = translate.CompletionFormatter(
-            f"cmpl-{uuid.uuid4().hex}", state.served_model_name, tokenizer, body
+        return await generate(
+            body, request, translate.completion_prompt_ids, translate.completion_params,
+            translate.CompletionFormatter, "cmpl", "prompt",
         )
-        return await _respond(request, engine, metrics, prompts, params, body.stream,
-                              formatter, "prompt")
 
     return app
 

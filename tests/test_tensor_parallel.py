@@ -1,0 +1,227 @@
+"""Tensor parallelism: tp=1, 2 and 4 give the same tokens and logits, with no runtime compile.
+
+The main test process sees one device, so the sharded runs happen in subprocesses that set
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax is imported: this file run as a
+script is that worker (``python tests/test_tensor_parallel.py <mode> ...``; it prints one JSON
+line). The reference is the tp=1 run of the same engine (itself pinned to HF transformers by the
+golden tests) and the HF logits of ``tests/golden``; tiny Llama and Qwen3 have 4 query heads and
+2 KV heads, so tp=4 exercises replicated KV heads and tp=2 split ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden"
+MODELS = ("tiny_llama", "tiny_qwen3")
+SIZES = (1, 2, 4)
+PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53])
+ENGINE = {  # a few small buckets keep each start-up compile to seconds
+    "strict_no_compile": True, "compile_progress": False, "dtype": "float32",
+    "max_model_len": 48, "num_pages": 24, "page_size": 8, "max_num_seqs": 2,
+    "prefill_graph_max_tokens": 16, "prefill_graph_capture_token_sizes": (16,),
+    "prefill_graph_capture_batch_sizes": (1,), "prefill_graph_max_bs": 1,
+    "decode_graph_capture_batch_sizes": (2,), "decode_graph_max_bs": 2,
+    "chunked_prefill_size": 16,
+}
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+def _golden_prompt(model: str) -> list[int]:
+    return np.load(GOLDEN / f"{model}.npz")["prompt_ids"].tolist()
+
+
+def _generate(model: str, tp: int, **options) -> dict:
+    from tokenspeed_jax import LLM, SamplingParams
+
+    llm = LLM(str(GOLDEN / model), tensor_parallel_size=tp, **{**ENGINE, **options})
+    completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
+                                                             logprobs=5, ignore_eos=True))
+    layer = llm.model.layers[0]
+    result = {
+        "tokens": [c.token_ids for c in completions],
+        "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
+        "top": [[[v for _, v in lp.top] for lp in c.logprobs] for c in completions],
+        "logits": llm.logits(_golden_prompt(model)).tolist(),
+        "runtime_compiles": llm.stats()["runtime_compiles"],
+        "loaded": llm.compile_summary.num_loaded,
+        "compiled": llm.compile_summary.num_compiled,
+        "q_proj_devices": len(layer.q_proj[...].sharding.device_set),
+        "q_proj_shard": list(layer.q_proj[...].addressable_shards[0].data.shape),
+        "k_pages_shard": list(llm.runner.k_pages[0].addressable_shards[0].data.shape),
+    }
+    llm.runner.guard.disarm()
+    return result
+
+
+def _orbax_roundtrip(model: str, tp: int) -> dict:
+    """Save the tp=1 weights with orbax, restore them sharded over ``tp`` devices."""
+    import jax
+    from flax import nnx
+
+    from tokenspeed_jax.models.loader import load_checkpoint
+    from tokenspeed_jax.models.orbax_checkpoint import save_orbax
+    from tokenspeed_jax.parallel import make_mesh
+
+    hf = load_checkpoint(GOLDEN / model, dtype="float32")
+    with tempfile.TemporaryDirectory() as directory:
+        save_orbax(hf.model, directory)
+        restored = load_checkpoint(directory, dtype="float32", mesh=make_mesh(tp)).model
+    expected = jax.tree_util.tree_leaves(nnx.state(hf.model))
+    leaves = jax.tree_util.tree_leaves(nnx.state(restored))
+    q_proj = restored.layers[0].q_proj[...]
+    return {"equal": all(np.array_equal(a, b) for a, b in zip(expected, leaves)),
+            "q_proj_devices": len(q_proj.sharding.device_set),
+            "q_proj_shard": list(q_proj.addressable_shards[0].data.shape)}
+
+
+def _worker(mode: str, args: list[str]) -> dict:
+    if mode == "models":
+        return {model: {tp: _generate(model, tp, compile_cache=False) for tp in SIZES}
+                for model in MODELS} | {"orbax": _orbax_roundtrip("tiny_llama", 4)}
+    if mode == "cache":
+        return _generate("tiny_llama", int(args[0]), compile_cache_dir=args[1])
+    raise ValueError(f"unknown worker mode {mode!r}")
+
+
+def run_worker(*args: str) -> dict:
+    """Run this file as a 4-device worker; its JSON result."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, __file__, *args], check=False, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return run_worker("models")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tp_sizes_give_the_same_tokens_and_logits(runs, model):
+    base = runs[model]["1"]
+    golden = np.load(GOLDEN / f"{model}.npz")
+    for tp in ("2", "4"):
+        run = runs[model][tp]
+        assert run["tokens"] == base["tokens"], f"tp={tp}"
+        for got, want in zip(run["logprobs"], base["logprobs"]):
+            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"tp={tp}")
+        for got, want in zip(run["top"], base["top"]):
+            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"tp={tp}")
+        np.testing.assert_allclose(run["logits"], base["logits"], atol=2e-5, rtol=1e-5)
+    # The forward over weights split 4 ways still matches HF transformers' logits.
+    np.testing.assert_allclose(runs[model]["4"]["logits"], golden["logits"], atol=1e-4)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_sharded_runs_compile_nothing_at_runtime(runs, model):
+    for tp in ("1", "2", "4"):
+        assert runs[model][tp]["runtime_compiles"] == 0, f"tp={tp}"
+
+
+def test_weights_and_kv_cache_are_split_by_head(runs):
+    # tiny_llama: 4 query heads, 2 KV heads, head_dim 16, hidden 64.
+    one, two, four = (runs["tiny_llama"][tp] for tp in ("1", "2", "4"))
+    assert [one["q_proj_devices"], two["q_proj_devices"], four["q_proj_devices"]] == [1, 2, 4]
+    assert one["q_proj_shard"] == [64, 4, 16]
+    assert two["q_proj_shard"] == [64, 2, 16]
+    assert four["q_proj_shard"] == [64, 1, 16]
+    # pages [Hkv, num_pages, page_size, Dh]: split over 2 devices, replicated over 4 (Hkv=2 < 4)
+    assert two["k_pages_shard"] == [1, 24, 8, 16]
+    assert four["k_pages_shard"] == [2, 24, 8, 16]
+
+
+def test_orbax_restores_straight_into_the_sharding(runs):
+    assert runs["orbax"] == {"equal": True, "q_proj_devices": 4, "q_proj_shard": [64, 1, 16]}
+
+
+def test_sharded_executables_are_cached_across_processes(tmp_path):
+    first = run_worker("cache", "2", str(tmp_path))
+    second = run_worker("cache", "2", str(tmp_path))
+    assert first["compiled"] > 0 and first["loaded"] == 0
+    assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
+    assert second["tokens"] == first["tokens"]
+    assert second["runtime_compiles"] == 0
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_more_devices_than_present_is_an_error():
+    from tokenspeed_jax.parallel import make_mesh
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 exceeds the 1 cpu device"):
+        make_mesh(2)
+    assert make_mesh(1) is None
+
+
+def test_engine_config_rejects_nonpositive_tp():
+    from tokenspeed_jax.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp", "message"), [
+    (4, 2, 3, "must divide num_attention_heads=4"),
+    (12, 4, 6, "num_key_value_heads=4"),
+    (8, 8, 8, "must divide intermediate_size=12"),
+])
+def test_head_counts_that_do_not_split_are_errors(heads, kv_heads, tp, message):
+    from tokenspeed_jax.models.llama import LlamaConfig
+    from tokenspeed_jax.parallel import check_llama
+
+    config = LlamaConfig(vocab_size=32, hidden_size=heads * 4, intermediate_size=12,
+                         num_hidden_layers=1, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=4)
+    with pytest.raises(ValueError, match=message):
+        check_llama(config, tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_llama_parameter_has_a_rule_that_splits_evenly(tp):
+    import jax
+    from flax import nnx
+
+    from tokenspeed_jax.models.llama import LlamaConfig
+    from tokenspeed_jax.models.loader import abstract_model
+    from tokenspeed_jax.parallel import AXIS, llama_param_spec
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=4, qk_norm=True,
+                         attention_bias=True, model_type="qwen2")
+    state = nnx.state(abstract_model(config, "float32"))
+    split = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        name = [k.key for k in path if isinstance(getattr(k, "key", None), str)][-1]
+        spec = llama_param_spec(name, config, tp)
+        assert len(spec) <= leaf.ndim, name
+        axes = [i for i, axis in enumerate(spec) if axis == AXIS]
+        assert all(leaf.shape[i] % tp == 0 for i in axes), (name, leaf.shape, spec)
+        split[name] = bool(axes)
+    kv_split = tp == 2  # 2 KV heads: split 2 ways, replicated 4 ways
+    assert split == {"embed_tokens": True, "lm_head": True, "q_proj": True, "q_bias": True,
+                     "o_proj": True, "gate_proj": True, "up_proj": True, "down_proj": True,
+                     "k_proj": kv_split, "v_proj": kv_split, "k_bias": kv_split,
+                     "v_bias": kv_split, "weight": False}
+    with pytest.raises(ValueError, match="no tensor-parallel rule for Llama parameter 'rotary'"):
+        llama_param_spec("rotary", config, tp)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(sys.argv[1], sys.argv[2:])))

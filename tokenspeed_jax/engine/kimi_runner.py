@@ -1,0 +1,526 @@
+"""Kimi-Linear model runner: KDA layers inline in the segments, MLA attention at the breaks.
+
+A forward is written as a list of *pieces* (embed, one KDA layer, the halves of an MLA layer, the
+KDA core) and cut into a ``graph.Plan``: consecutive non-break pieces fuse into one segment, so
+the KDA layers between two MLA layers share one segment (``out(MLA j) + KDA ... + in(MLA j+1)``);
+segments with the same pieces and wiring are one executable. Routes per step:
+
+* **inline** (prefill and extend steps, the default): KDA layers (projections, short conv, the
+  chunked Pallas KDA kernel, gated norm, output projection, MoE) run inside the segments; each
+  MLA layer's latent paged attention is a break. One plan per (token bucket, request bucket).
+* **ordinary**: the same, with each KDA layer's core (the kernel) at a break. Taken for mixed
+  prefill/decode steps and when ``disable_kda_prefill_graph`` is set; a step with more requests
+  or tokens than the largest bucket runs this route eagerly at its exact size.
+* **decode**: one token per request, the recurrent KDA kernel inline, MLA decode at the breaks;
+  one plan per decode batch bucket.
+* **eager**: any plan op by op (``run_eager``), the reference the compiled routes match.
+
+State: per KDA layer a recurrent pool ``state.i [P, H, K, V]`` fp32 and a conv pool
+``conv.i [P, W - 1, 3 H K]``; per MLA layer a paged latent cache ``latent.j``. Requests name
+their rows (``KimiStepRequest.state_slot``); every pool is donated and updated in place. A
+request at position 0 starts from zero states (its rows are reset inside the plan); a later chunk
+or decode step continues from what its rows hold (its previous chunk, or a restored checkpoint).
+
+Invariants:
+
+* Padding tokens have slot -1, request -1 and position -1; padding requests have state slot -1
+  and no checkpoint: they never write a pool row or a page (tested on the whole pool).
+* Prefix checkpoints: a request with ``checkpoint_slot >= 0`` stores its KDA and conv states at
+  the last multiple of ``prefix_granularity`` its step crosses (``checkpoint_split``). Every
+  prefill plan carries per-request checkpoint offsets and slots, so a step with zero, one or more
+  checkpointing requests reuses the same executable; the kernel scans such a request in two
+  loops (main up to the checkpoint, tail after it) within one call.
+* Per-request KDA metadata (``cu_seqlens``, slots, checkpoint offsets and slots) travels as plan
+  inputs (segments read it); break metadata (page tables, slot mappings) as break metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.model_runner import Buckets
+from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
+from tokenspeed_jax.graph import (
+    Break,
+    Call,
+    CompiledPlan,
+    CompileGuard,
+    CompileSummary,
+    Plan,
+    PlanCompiler,
+    Segment,
+    abstract,
+    choose_bucket,
+    run_eager,
+)
+from tokenspeed_jax.graph.guard import startup
+from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
+from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
+from tokenspeed_jax.models.kimi_linear_layers import KdaImpl, KdaMeta, kda_core
+from tokenspeed_jax.models.mla import paged_latent_decode, paged_latent_prefill, write_latent
+
+MAX_TOP_LOGPROBS = 20
+KDA_META = ("cu_seqlens", "kda_slots", "checkpoint_offsets", "checkpoint_slots")
+FRESH = "fresh_slots"  # [N]: the state slot of each request starting at position 0, else -1
+SAMPLED = ("token_ids", "logprobs", "top_logprobs", "top_ids")
+
+
+@dataclasses.dataclass
+class KimiStepRequest(StepRequest):
+    """A step request with its KDA state rows."""
+
+    state_slot: int = -1  # the request's live KDA/conv state row (must be >= 0)
+    checkpoint_slot: int = -1  # row for this step's prefix checkpoint; -1 = none
+
+
+def reset_rows(pool: jax.Array, rows: jax.Array) -> jax.Array:
+    """``pool`` with rows ``rows`` zeroed (rows < 0 are skipped)."""
+    target = jnp.where(rows >= 0, rows, pool.shape[0])
+    return pool.at[target].set(0, mode="drop")
+
+
+def checkpoint_split(start_pos: int, num_tokens: int, granularity: int) -> int:
+    """Tokens of this step before its last ``granularity`` boundary (0 if it crosses none).
+
+    The request then scans ``split`` tokens (main) and ``num_tokens - split`` (tail).
+    """
+    boundary = (start_pos + num_tokens) // granularity * granularity
+    return max(boundary - start_pos, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One step of a forward: ``fn(params, *inputs)`` (a break: ``fn(params, meta, *inputs)``)."""
+
+    kind: Any  # equal kinds have the same function
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: Any = ()
+    meta: str | None = None  # the break's metadata name; None = fused into a segment
+    donate: tuple[str, ...] = ()
+
+
+def _fused(pieces: Sequence[Piece], local: dict[str, str], inputs: tuple[str, ...],
+           outputs: tuple[str, ...]) -> Callable[..., tuple]:
+    wiring = [(p.fn, [local[n] for n in p.inputs], [local[n] for n in p.outputs]) for p in pieces]
+
+    def fused(params: tuple, *args: Any) -> tuple:
+        values = dict(zip(inputs, args))
+        for (fn, ins, outs), piece_params in zip(wiring, params):
+            values.update(zip(outs, fn(piece_params, *[values[n] for n in ins])))
+        return tuple(values[n] for n in outputs)
+
+    return fused
+
+
+class PlanBuilder:
+    """Cuts piece lists into plans, sharing one stage object per distinct (pieces, wiring)."""
+
+    def __init__(self) -> None:
+        self._stages: dict[tuple, Segment] = {}
+
+    def _stage(self, pieces: Sequence[Piece], needed: set[str]) -> tuple[Segment, dict]:
+        produced: set[str] = set()
+        order: list[str] = []
+        seg_inputs: list[str] = []
+        for piece in pieces:
+            for name in piece.inputs:
+                if name not in produced and name not in seg_inputs:
+                    seg_inputs.append(name)
+            for name in (*piece.inputs, *piece.outputs):
+                if name not in order:
+                    order.append(name)
+            produced |= set(piece.outputs)
+        if pieces[0].meta is None:
+            seg_outputs = [n for n in order if n in produced and n in needed]
+        else:  # a break returns exactly its piece's outputs, in order
+            seg_outputs = list(pieces[0].outputs)
+        local = {name: f"v{i}" for i, name in enumerate(order)}
+        donate = {n for p in pieces for n in p.donate} | (set(seg_inputs) & produced)
+        key = (tuple((p.kind, tuple(local[n] for n in p.inputs),
+                      tuple(local[n] for n in p.outputs)) for p in pieces),
+               tuple(local[n] for n in seg_inputs), tuple(local[n] for n in seg_outputs),
+               tuple(sorted(local[n] for n in donate if n in seg_inputs)), pieces[0].meta)
+        if key not in self._stages:
+            ins = tuple(local[n] for n in seg_inputs)
+            outs = tuple(local[n] for n in seg_outputs)
+            dons = tuple(local[n] for n in seg_inputs if n in donate)
+            if pieces[0].meta is None:
+                self._stages[key] = Segment("+".join(str(p.kind[0]) for p in pieces),
+                                            _fused(pieces, local, ins, outs), ins, outs, dons)
+            else:
+                self._stages[key] = Break(pieces[0].meta, pieces[0].fn, ins, outs, dons)
+        return self._stages[key], {v: k for k, v in local.items()}
+
+    def plan(self, pieces: Sequence[Piece], inputs: Sequence[str],
+             outputs: Sequence[str]) -> Plan:
+        groups: list[list[Piece]] = []
+        for piece in pieces:
+            if piece.meta is None and groups and groups[-1][0].meta is None:
+                groups[-1].append(piece)
+            else:
+                groups.append([piece])
+        calls = []
+        for index, group in enumerate(groups):
+            needed = set(outputs) | {n for g in groups[index + 1:] for p in g for n in p.inputs}
+            stage, rename = self._stage(group, needed)
+            params = group[0].params if group[0].meta is not None else tuple(
+                p.params for p in group)
+            calls.append(Call(stage, params, rename))
+        return Plan(calls, tuple(inputs), tuple(outputs))
+
+
+class KimiRunner:
+    """Runs engine steps of a Kimi-Linear model over its state pools and latent pages."""
+
+    def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, *, num_pages: int,
+                 num_state_slots: int, page_size: int = 16) -> None:
+        if num_pages < 1 or page_size < 1 or num_state_slots < 1:
+            raise ValueError(f"num_pages={num_pages}, page_size={page_size} and "
+                             f"num_state_slots={num_state_slots} must be >= 1")
+        self.config = config
+        self.model_config = cfg = model.config
+        self.page_size = page_size
+        self.num_state_slots = num_state_slots
+        self.pages_per_request = math.ceil(config.max_model_len / page_size)
+        self.scale = float(model.attention_scale)
+        self.buckets = Buckets.from_config(config, prefill=True, decode=True)
+        self.dtype = model.dtype
+        layers = list(model.layers)
+        self.kinds = [layer.kind for layer in layers]
+        graphdefs: list[Any] = []
+        self._layer_defs, self.layer_states = [], []
+        for layer in layers:
+            graphdef, state = nnx.split(layer)
+            if graphdef not in graphdefs:
+                graphdefs.append(graphdef)
+            self._layer_defs.append(graphdefs.index(graphdef))
+            self.layer_states.append(state)
+        self._graphdefs = graphdefs
+        self.model_def, layers_state, self.outer_state = nnx.split(
+            model, nnx.PathContains("layers"), ...)
+        self._layers_placeholder = abstract(layers_state)
+        k, h, width = cfg.linear_head_dim, cfg.linear_num_heads, cfg.conv_kernel_size
+        with startup():
+            self.pools: dict[str, jax.Array] = {}
+            for i, kind in enumerate(self.kinds):
+                if kind == KDA:
+                    self.pools[f"state.{i}"] = jnp.zeros((num_state_slots, h, k, k), jnp.float32)
+                    self.pools[f"conv.{i}"] = jnp.zeros((num_state_slots, width - 1, 3 * h * k),
+                                                        self.dtype)
+                else:
+                    self.pools[f"latent.{i}"] = jnp.zeros((num_pages, page_size, cfg.latent_dim),
+                                                          self.dtype)
+        self.guard = CompileGuard(strict=config.strict_no_compile)
+        self._builder = PlanBuilder()
+        self._fns: dict[tuple, Callable] = {}
+        self.plans = {route: self._forward_plan(route) for route in ("inline", "ordinary",
+                                                                       "decode")}
+        self.plans["reference"] = self._forward_plan("ordinary", impl="reference")
+        head = Break("sample", self._head_sample, ("hidden",), SAMPLED)
+        self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), SAMPLED)
+        self._compiled: dict[tuple, CompiledPlan] = {}
+        self.compiled = False
+        self.counters = dict.fromkeys(("inline_runs", "ordinary_runs", "decode_runs",
+                                       "eager_runs", "real_tokens", "padded_tokens"), 0)
+
+    # ----------------------------------------------------------------- pieces
+
+    def _layer(self, graph: int, state: Any) -> Any:
+        """The layer module of structure ``graph`` (an index into the distinct graphdefs)."""
+        return nnx.merge(self._graphdefs[graph], state)
+
+    def _fn(self, kind: tuple, make: Callable[[], Callable]) -> Callable:
+        if kind not in self._fns:
+            self._fns[kind] = make()
+        return self._fns[kind]
+
+    def _pieces(self, route: str, impl: KdaImpl) -> list[Piece]:
+        decode = route == "decode"
+        outer = self.model_def
+        placeholder = self._layers_placeholder
+
+        def embed(params, token_ids):
+            return (nnx.merge(outer, placeholder, params).embed(token_ids),)
+
+        pieces = [Piece(("embed",), embed, ("token_ids",), ("hidden",), self.outer_state)]
+        for i, kind in enumerate(self.kinds):
+            graph = self._layer_defs[i]
+            state = self.layer_states[i]
+            conv, pool = f"conv.{i}", f"state.{i}"
+            if kind == KDA and route in ("inline", "decode"):
+                def block(params, hidden, conv_pool, state_pool, fresh, *meta, _g=graph):
+                    return self._layer(_g, params).kda_block(
+                        hidden, reset_rows(conv_pool, fresh), reset_rows(state_pool, fresh),
+                        KdaMeta(*meta), impl=impl, decode=decode)
+
+                pieces.append(Piece(("kda", graph, impl, decode),
+                                    self._fn(("kda", graph, impl, decode), lambda b=block: b),
+                                    ("hidden", conv, pool, FRESH, *KDA_META),
+                                    ("hidden", conv, pool), state))
+            elif kind == KDA:
+                def kda_in(params, hidden, conv_pool, fresh, *meta, _g=graph):
+                    return self._layer(_g, params).kda_inputs(
+                        hidden, reset_rows(conv_pool, fresh), KdaMeta(*meta))
+
+                def core(params, meta, q, k, v, g, beta, state_pool, fresh, *kda_meta):
+                    return kda_core(q, k, v, g, beta, reset_rows(state_pool, fresh),
+                                    KdaMeta(*kda_meta), impl=impl, decode=False)
+
+                def kda_out(params, hidden, o, gate, _g=graph):
+                    return (self._layer(_g, params).kda_outputs(hidden, o, gate),)
+
+                qkv = ("q", "k", "v", "g", "beta")
+                pieces += [
+                    Piece(("kda_in", graph), self._fn(("kda_in", graph), lambda f=kda_in: f),
+                          ("hidden", conv, FRESH, *KDA_META), (*qkv, "gate", conv), state),
+                    Piece(("kda_core", impl), self._fn(("kda_core", impl), lambda f=core: f),
+                          (*qkv, pool, FRESH, *KDA_META), ("o", pool), meta="kda",
+                          donate=(pool,)),
+                    Piece(("kda_out", graph), self._fn(("kda_out", graph), lambda f=kda_out: f),
+                          ("hidden", "o", "gate"), ("hidden",), state),
+                ]
+            else:
+                latent = f"latent.{i}"
+
+                def mla_in(params, hidden, _g=graph):
+                    return self._layer(_g, params).mla_inputs(hidden)
+
+                def mla_out(params, hidden, attn, _g=graph):
+                    return (self._layer(_g, params).mla_outputs(hidden, attn),)
+
+                attend = self._mla_decode if decode else self._mla_prefill
+                pieces += [
+                    Piece(("mla_in", graph), self._fn(("mla_in", graph), lambda f=mla_in: f),
+                          ("hidden",), ("q_lat", "kv"), state),
+                    Piece(("mla", decode), attend, ("q_lat", "kv", "positions", latent),
+                          ("attn", latent), meta="attention", donate=(latent,)),
+                    Piece(("mla_out", graph), self._fn(("mla_out", graph), lambda f=mla_out: f),
+                          ("hidden", "attn"), ("hidden",), state),
+                ]
+        return pieces
+
+    def _mla_prefill(self, params, meta, q, kv, positions, pages) -> tuple:
+        pages = write_latent(pages, kv, meta["slot_mapping"])
+        attn = paged_latent_prefill(q, pages, meta["page_tables"], meta["token_request"],
+                                    positions, scale=self.scale,
+                                    kv_lora_rank=self.model_config.kv_lora_rank)
+        return attn, pages
+
+    def _mla_decode(self, params, meta, q, kv, positions, pages) -> tuple:
+        pages = write_latent(pages, kv, meta["slot_mapping"])
+        attn = paged_latent_decode(q, pages, meta["page_tables"], positions, scale=self.scale,
+                                   kv_lora_rank=self.model_config.kv_lora_rank)
+        return attn, pages
+
+    def _head_sample(self, params, meta, hidden) -> tuple:
+        rows = jnp.take(hidden, meta["rows"], axis=0)
+        logits = nnx.merge(self.model_def, self._layers_placeholder, params).head(rows)
+        token_ids, logprobs = sample(logits, meta["sampling"])
+        values, ids = top_logprobs(logits, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+        return token_ids, logprobs, values, ids
+
+    def _forward_plan(self, route: str, impl: KdaImpl = "pallas") -> Plan:
+        pools = tuple(self.pools)
+        inputs = ("token_ids", "positions", FRESH, *KDA_META, *pools)
+        return self._builder.plan(self._pieces(route, impl), inputs, ("hidden", *pools))
+
+    # ----------------------------------------------------------------- host arrays
+
+    def step_arrays(self, requests: Sequence[KimiStepRequest], num_tokens: int,
+                    num_requests: int) -> tuple[dict, dict, dict]:
+        """Host-built (numpy) arrays of one padded group: plan inputs, break metadata, head."""
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.full(num_tokens, -1, np.int32)
+        slots = np.full(num_tokens, -1, np.int32)
+        token_request = np.full(num_tokens, -1, np.int32)
+        page_tables = np.zeros((num_requests, self.pages_per_request), np.int32)
+        total = sum(r.num_tokens for r in requests)
+        cu = np.full(num_requests + 1, total, np.int32)
+        kda_slots = np.full(num_requests, -1, np.int32)
+        ckpt_offsets = np.zeros(num_requests, np.int32)
+        ckpt_slots = np.full(num_requests, -1, np.int32)
+        fresh = np.full(num_requests, -1, np.int32)
+        rows, sampled = [], []
+        offset = 0
+        for n, request in enumerate(requests):
+            self._check_slots(request)
+            span = slice(offset, offset + request.num_tokens)
+            pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
+            table = self._page_table(request)
+            token_ids[span] = request.token_ids
+            positions[span] = pos
+            slots[span] = table[pos // self.page_size] * self.page_size + pos % self.page_size
+            token_request[span] = n
+            page_tables[n, :len(table)] = table
+            cu[n] = offset
+            kda_slots[n] = request.state_slot
+            if request.start_pos == 0:
+                fresh[n] = request.state_slot
+            if request.checkpoint_slot >= 0:
+                split = checkpoint_split(request.start_pos, request.num_tokens,
+                                         self.config.prefix_granularity)
+                if split % CHUNK_SIZE:
+                    raise ValueError(
+                        f"request {request.request_id}: a checkpoint needs start_pos="
+                        f"{request.start_pos} to be a multiple of the {CHUNK_SIZE}-token chunk")
+                if split:
+                    ckpt_offsets[n], ckpt_slots[n] = split, request.checkpoint_slot
+            offset += request.num_tokens
+            if request.sample:
+                rows.append(offset - 1)
+                sampled.append(request)
+        inputs = {"token_ids": token_ids, "positions": positions, "cu_seqlens": cu,
+                  FRESH: fresh, "kda_slots": kda_slots, "checkpoint_offsets": ckpt_offsets,
+                  "checkpoint_slots": ckpt_slots}
+        attention = {"slot_mapping": slots, "token_request": token_request,
+                     "page_tables": page_tables}
+        rows_arr = np.zeros(num_requests, np.int32)
+        rows_arr[:len(rows)] = rows
+        sampling = SamplingArrays.from_params(
+            [(r.params, len(r.output_token_ids)) for r in sampled], pad_to=num_requests)
+        return inputs, attention, {"rows": rows_arr, "sampling": sampling}
+
+    def _check_slots(self, request: StepRequest) -> None:
+        slot = getattr(request, "state_slot", -1)
+        checkpoint = getattr(request, "checkpoint_slot", -1)
+        if not 0 <= slot < self.num_state_slots:
+            raise ValueError(f"request {request.request_id}: state_slot={slot} must be in "
+                             f"[0, {self.num_state_slots})")
+        if checkpoint >= self.num_state_slots or checkpoint == slot:
+            raise ValueError(f"request {request.request_id}: checkpoint_slot={checkpoint} must "
+                             f"be < {self.num_state_slots} and differ from state_slot={slot}")
+
+    def _page_table(self, request: StepRequest) -> np.ndarray:
+        table = np.asarray(request.page_table, np.int32)
+        needed = math.ceil(request.end_pos / self.page_size)
+        if len(table) < needed or len(table) > self.pages_per_request:
+            raise ValueError(
+                f"request {request.request_id}: page_table has {len(table)} pages; it needs "
+                f">= {needed} and at most {self.pages_per_request}")
+        return table
+
+    # ----------------------------------------------------------------- compile
+
+    def compile_all(self) -> CompileSummary:
+        """Compile every executable a step can reach; fatal on failure; then arm the guard."""
+        compiler = PlanCompiler(progress=self.config.compile_progress,
+                                description="compiling Kimi executables")
+        pools = abstract(self.pools)
+        hidden_size = self.model_config.hidden_size
+        routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
+        shapes = [(t, n) for t in self.buckets.tokens for n in self.buckets.prefill_requests
+                  if n <= t]
+        for tokens, requests in shapes:
+            inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
+            for route in routes:
+                compiler.add(f"{route} T={tokens} N={requests}", self.plans[route],
+                             {**inputs, **pools}, {"attention": attention, "kda": {}})
+        decode_shapes = [(n, n) for n in self.buckets.decode_requests]
+        for rows in self.buckets.decode_requests:
+            inputs, attention, _ = (abstract(m) for m in self.step_arrays([], rows, rows))
+            compiler.add(f"decode T={rows} N={rows}", self.plans["decode"], {**inputs, **pools},
+                         {"attention": attention})
+        for tokens, requests in dict.fromkeys(shapes + decode_shapes):
+            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), self.dtype)
+            head = abstract(self.step_arrays([], tokens, requests)[2])
+            compiler.add(f"head T={tokens} N={requests}", self.head_plan, {"hidden": hidden},
+                         {"sample": head})
+        plans, summary = compiler.compile_all()
+        for label, plan in plans.items():
+            route, tokens, requests = label.split()
+            self._compiled[route, int(tokens[2:]), int(requests[2:])] = plan
+        self.compiled = True
+        self.guard.arm()
+        return summary
+
+    # ----------------------------------------------------------------- serving
+
+    def route(self, requests: Sequence[StepRequest]) -> str:
+        """The route a step takes (see the module docstring)."""
+        decode = all(r.num_tokens == 1 and r.sample and r.start_pos > 0 for r in requests)
+        if decode and choose_bucket(self.buckets.decode_requests, len(requests)) is not None:
+            return "decode"
+        total = sum(r.num_tokens for r in requests)
+        fits = (choose_bucket(self.buckets.tokens, total) is not None
+                and choose_bucket(self.buckets.prefill_requests, len(requests)) is not None)
+        if not fits:
+            return "eager"
+        mixed = any(r.num_tokens == 1 and r.start_pos > 0 for r in requests)
+        if mixed or self.config.disable_kda_prefill_graph:
+            return "ordinary"
+        return "inline"
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        """Run one step; one sampled token per request with ``sample`` set, in order."""
+        if not batch.requests:
+            raise ValueError("a step needs at least one request")
+        if not self.compiled:
+            raise RuntimeError("call compile_all() before step()")
+        route = self.route(batch.requests)
+        if route == "eager":
+            return self.run_eager(batch.requests, plan="ordinary")
+        return self.run_compiled(route, batch.requests)
+
+    def run_compiled(self, route: str, requests: Sequence[StepRequest]) -> StepOutput:
+        """A step on the compiled plan of ``route`` ("inline", "ordinary" or "decode")."""
+        total = sum(r.num_tokens for r in requests)
+        if route == "decode":
+            tokens = rows = choose_bucket(self.buckets.decode_requests, len(requests))
+        else:
+            tokens = choose_bucket(self.buckets.tokens, total)
+            rows = choose_bucket(self.buckets.prefill_requests, len(requests))
+        inputs, attention, head = self.step_arrays(requests, tokens, rows)
+        self.counters[f"{route}_runs"] += 1
+        self.counters["real_tokens"] += total
+        self.counters["padded_tokens"] += tokens - total
+        out = self._compiled[route, tokens, rows].run(
+            {**jax.device_put(inputs), **self.pools}, {"attention": attention, "kda": {}})
+        self._adopt(out)
+        sampled = self._compiled["head", tokens, rows].run({"hidden": out["hidden"]},
+                                                           {"sample": head})
+        return _output(sampled, sum(r.sample for r in requests))
+
+    def run_eager(self, requests: Sequence[StepRequest], *, plan: str = "ordinary") -> StepOutput:
+        """A step op by op at its exact size (``plan``: "inline", "ordinary", "decode", or
+        "reference" for the ordinary plan with the pure-JAX KDA reference)."""
+        self.counters["eager_runs"] += 1
+        total = sum(r.num_tokens for r in requests)
+        self.counters["real_tokens"] += total
+        inputs, attention, head = self.step_arrays(requests, total, len(requests))
+        num_sampled = sum(r.sample for r in requests)
+        with self.guard.allowed("Kimi eager forward"):
+            out = run_eager(self.plans[plan], {**jax.device_put(inputs), **self.pools},
+                            {"attention": attention, "kda": {}})
+            self._adopt(out)
+            rows = {"rows": head["rows"][:num_sampled],
+                    "sampling": jax.tree_util.tree_map(lambda a: a[:num_sampled],
+                                                       head["sampling"])}
+            sampled = run_eager(self.head_plan, {"hidden": out["hidden"]}, {"sample": rows})
+            return _output(sampled, num_sampled)
+
+    def _adopt(self, values: dict[str, jax.Array]) -> None:
+        """Take the pools a plan returned (the donated inputs are gone)."""
+        self.pools = {name: values[name] for name in self.pools}
+
+    def stats(self) -> dict[str, float]:
+        return {**self.counters, "runtime_compiles": self.guard.runtime_compiles}
+
+
+def _output(sampled: dict[str, jax.Array], count: int) -> StepOutput:
+    rows = {k: np.asarray(sampled[k])[:count] for k in SAMPLED}
+    return StepOutput(token_ids=rows["token_ids"].astype(np.int32),
+                      logprobs=rows["logprobs"].astype(np.float32),
+                      top_token_ids=rows["top_ids"].astype(np.int32),
+                      top_logprobs=rows["top_logprobs"].astype(np.float32))

@@ -1,0 +1,496 @@
+"""On-disk cache of compiled executables: a restart loads them instead of compiling.
+
+``PlanCompiler`` asks the cache for every executable before tracing it. A hit gives the
+serialized executable and its output shapes, so a warm start neither traces, lowers nor compiles;
+a miss is traced and compiled as usual, then written here.
+
+**The key** is a SHA-256 over a description of everything that decides the program, built
+without tracing (what ``executable_key`` hashes):
+
+* the environment (``environment()``): cache format, jax and jaxlib versions, backend platform
+  and its version string (the CUDA/driver build on a GPU), the device kind and count,
+  ``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, and jax's trace-context settings (x64, default matmul
+  precision, ...);
+* the code: a hash of every ``.py`` file of this package, plus the source file of the stage
+  function when it lives elsewhere, and the function's module and qualified name;
+* what the function reads besides its arguments: the values of its closure cells when they are
+  plain scalars or strings, and otherwise the caller's ``fingerprint`` (the model runner passes
+  the model's NNX graph definition, which holds every static attribute: config, dtypes, eps,
+  the flax version, and ``classes_fingerprint`` of its own and the model's classes, so a method
+  replaced at run time is a different key). A bound method or a closure over anything else is
+  only cached when a fingerprint is given. Not seen: a module-level function replaced at run
+  time (monkeypatched) without a source change; turn the cache off for such experiments;
+* the call: stage name, donated argument positions, parameter and metadata tree structures, and
+  every argument's shape, dtype and weak type; for a program sharded over several devices, every
+  argument's and output's ``NamedSharding`` (mesh axis names and sizes, the device ids in mesh
+  order, the partition spec). A multi-device sharding of any other kind makes the executable
+  uncacheable. Deserializing binds an executable to the device ids it was built for, which the
+  key names, so a hit always runs on the same devices.
+
+Hashing source files rather than the lowered program is what lets a warm start skip tracing; it
+is sound as long as stage functions are deterministic in what the key names. jax's own
+persistent compilation cache keys on the lowered program instead, so it must trace and lower
+every time; it is neither used nor needed here.
+
+**Entries** are files ``<key>.exe``: magic, a JSON header (segment, bucket, output shapes,
+custom-call targets, the ids of the devices it runs on, versions, sizes), the payload of
+``jax.experimental.serialize_executable`` and a SHA-256 of all of it. Invariants:
+
+* Writes are atomic: a temporary file in the cache directory, then ``os.replace``. Two processes
+  writing one key both succeed and leave one whole entry; a reader never sees half a file.
+* A truncated, corrupted or incompatible entry is detected (digest, header, or a failed
+  deserialize), logged, and reported as a miss; the caller recompiles and replaces it. Nothing
+  in here raises into start-up except programming errors.
+* Before an executable with custom calls (Pallas/Triton, Mosaic GPU, LAPACK) is deserialized,
+  the modules that register those targets are imported; an entry whose known targets are still
+  not registered is not loaded (it could crash the process) but recompiled. Targets of the
+  caller's own FFI kernels are registered by the code that defines the stages, which runs
+  before the plan is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import logging
+import os
+import re
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+from jax.sharding import NamedSharding
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 2  # bump when the entry layout or the key description changes
+MAGIC = b"TSJAXEXE"
+SUFFIX = ".exe"
+_DIGEST = 32  # SHA-256 trailer
+_LENGTH = struct.Struct("<Q")
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_SIMPLE = (str, int, float, bool, type(None))
+# Custom-call target prefix -> module whose import registers it (jax registers the rest at start).
+_REGISTRARS = {
+    "mosaic_gpu": "jax.experimental.mosaic.gpu",
+    "triton_kernel_call": "jax._src.lib",
+    "lapack_": "jax._src.lax.linalg",
+}
+
+
+class CacheEntryError(ValueError):
+    """A cache entry is truncated, corrupted or cannot be loaded in this process."""
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/tokenspeed_jax/executables`` (``~/.cache/...`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tokenspeed_jax", "executables")
+
+
+# ----------------------------------------------------------------------------- the key
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@functools.cache
+def package_source_hash() -> str:
+    """SHA-256 over the path and contents of every ``.py`` file of this package."""
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE_ROOT.rglob("*.py")):
+        digest.update(str(path.relative_to(_PACKAGE_ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _stable(value: Any) -> str:
+    """A repr that is the same in every process (object addresses replaced by the type name)."""
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
+@functools.cache
+def environment() -> tuple[tuple[str, str], ...]:
+    """The process-wide part of every key: versions, backend, devices, flags, jax settings."""
+    device = jax.devices()[0]
+    from jax._src import config as jax_config
+
+    context = getattr(jax_config, "trace_context", lambda: ())()
+    return (
+        ("format", str(FORMAT)),
+        ("jax", jax.__version__),
+        ("jaxlib", jaxlib.__version__),
+        ("platform", device.platform),
+        ("platform_version", device.client.platform_version),
+        ("device_kind", device.device_kind),
+        ("device_count", str(jax.device_count())),
+        ("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")),
+        ("LIBTPU_INIT_ARGS", os.environ.get("LIBTPU_INIT_ARGS", "")),
+        ("trace_context", ";".join(_stable(v) for v in context)),
+        ("package", package_source_hash()),
+    )
+
+
+def function_identity(fn: Callable[..., Any], fingerprint: str | None) -> str | None:
+    """What identifies ``fn``'s program besides its arguments, or None if that is unknowable.
+
+    A module-level function (or one closing over plain scalars) is identified by its module,
+    qualified name, source file and closure values. A bound method or any other closure reads
+    state the key cannot see: it is identified only together with the caller's ``fingerprint``.
+    """
+    target = getattr(fn, "__func__", fn)
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return None
+    needs_fingerprint = hasattr(fn, "__self__")
+    cells = []
+    for cell in getattr(target, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, _SIMPLE):
+            cells.append(repr(value))
+        else:
+            needs_fingerprint = True
+    if needs_fingerprint and fingerprint is None:
+        return None
+    source = Path(code.co_filename).resolve()
+    in_package = _PACKAGE_ROOT in source.parents
+    source_hash = "package" if in_package else (
+        _file_digest(source) if source.is_file() else None)
+    if source_hash is None:
+        return None
+    return "\n".join([
+        f"{target.__module__}.{target.__qualname__}", source_hash, ",".join(cells),
+        fingerprint if needs_fingerprint else "",
+    ])
+
+
+def _code_digest(code: Any, digest: Any) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            _code_digest(const, digest)
+        else:
+            digest.update(_stable(const).encode())
+
+
+def classes_fingerprint(classes: Sequence[type], *, skip_modules: Sequence[str] = ()) -> str:
+    """A digest of the bytecode of every function defined on ``classes`` and their bases.
+
+    Part of a caller's fingerprint: it changes when a method is edited *or replaced at run time*
+    (a monkeypatched method has other bytecode), which the package source hash cannot see.
+    Bases from modules starting with one of ``skip_modules`` (libraries whose version the caller
+    includes instead) and ``builtins`` are skipped.
+    """
+    digest = hashlib.sha256()
+    seen: set[type] = set()
+    for cls in sorted({base for c in classes for base in c.__mro__}, key=lambda c: c.__qualname__):
+        if cls in seen or cls.__module__.startswith(("builtins", *skip_modules)):
+            continue
+        seen.add(cls)
+        digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+        for name, attribute in sorted(vars(cls).items()):
+            target = getattr(attribute, "__func__", attribute)
+            code = getattr(target, "__code__", None)
+            if code is not None:
+                digest.update(name.encode())
+                _code_digest(code, digest)
+    return digest.hexdigest()
+
+
+def _sharding_key(sharding: Any) -> str | None:
+    """A stable description of a multi-device NamedSharding; "" on one device; None: unknown."""
+    if sharding is None or len(sharding.device_set) == 1:
+        return ""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    ids = [int(d.id) for d in mesh.devices.flat]
+    return f"@{dict(mesh.shape)}{ids}{sharding.spec}{sharding.memory_kind or ''}"
+
+
+def _spec_key(spec: Any) -> str | None:
+    sharding = _sharding_key(getattr(spec, "sharding", None))
+    if sharding is None:
+        return None
+    weak = getattr(spec, "weak_type", False)
+    return f"{spec.dtype}{list(spec.shape)}{'w' if weak else ''}{sharding}"
+
+
+def executable_key(
+    *,
+    stage_name: str,
+    identity: str | None,
+    trees: Sequence[Any],
+    args: Sequence[Any],
+    donate: Sequence[int],
+    out_shardings: Sequence[Any] | None = None,
+) -> str | None:
+    """The cache key of one executable (see the module docstring), or None: not cacheable.
+    ``out_shardings``: the explicit output shardings of a sharded program."""
+    specs = [_spec_key(a) for a in args]
+    outputs = [_sharding_key(s) for s in out_shardings or ()]
+    if identity is None or any(s is None for s in specs + outputs):
+        return None
+    description = json.dumps({
+        "environment": environment(),
+        "stage": stage_name,
+        "function": identity,
+        "trees": [str(t) for t in trees],
+        "args": specs,
+        "donate": list(donate),
+        "outputs": outputs,
+    })
+    return hashlib.sha256(description.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A verified cache entry: its header and the serialized executable."""
+
+    path: Path
+    header: dict[str, Any]
+    payload: bytes
+    out_specs: tuple[jax.ShapeDtypeStruct, ...]  # what the executable returns, from the header
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryInfo:
+    """What ``scan`` reports per file: header (None when unreadable), size, age, problem."""
+
+    path: Path
+    header: dict[str, Any] | None
+    size: int
+    age_seconds: float
+    problem: str | None
+
+
+def _encode(header: dict[str, Any], payload: bytes) -> bytes:
+    head = json.dumps(header, sort_keys=True).encode()
+    body = MAGIC + _LENGTH.pack(len(head)) + head + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def _read_header(data: bytes) -> tuple[dict[str, Any], int]:
+    """(header, payload offset); CacheEntryError if the prefix is not a readable header."""
+    if not data.startswith(MAGIC):
+        raise CacheEntryError("bad magic (not a cache entry)")
+    start = len(MAGIC) + _LENGTH.size
+    if len(data) < start:
+        raise CacheEntryError("truncated before the header")
+    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
+    if len(data) < start + length:
+        raise CacheEntryError(f"truncated inside the header ({len(data)} bytes)")
+    try:
+        header = json.loads(data[start:start + length])
+    except ValueError as error:
+        raise CacheEntryError(f"unreadable header: {error}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CacheEntryError(f"unknown entry format {header.get('format')!r}"
+                              if isinstance(header, dict) else "header is not an object")
+    return header, start + length
+
+
+def decode(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """(header, payload) of an entry's bytes; CacheEntryError when anything does not check."""
+    header, offset = _read_header(data)
+    if len(data) < offset + _DIGEST:
+        raise CacheEntryError(f"truncated ({len(data)} bytes)")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CacheEntryError("checksum mismatch (truncated or corrupted)")
+    payload = body[offset:]
+    if len(payload) != header.get("payload_bytes"):
+        raise CacheEntryError(f"payload is {len(payload)} bytes, header says "
+                              f"{header.get('payload_bytes')}")
+    return header, payload
+
+
+def custom_call_targets(compiled: jax.stages.Compiled) -> list[str]:
+    """The custom-call targets (kernels registered by name) an executable calls."""
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text() or "")))
+
+
+def register_custom_calls(targets: Sequence[str]) -> list[str]:
+    """Import the modules that register ``targets`` (kernels jax registers on import of a module,
+    not at start-up); return those of them still unregistered. Targets XLA implements itself
+    (``TopK``, ...) or that no known module registers are the caller's to register."""
+    known = [t for t in targets if any(t.startswith(p) for p in _REGISTRARS)]
+    if not known:
+        return []
+    for prefix, module in _REGISTRARS.items():
+        if any(t.startswith(prefix) for t in known):
+            importlib.import_module(module)
+    from jax._src.lib import xla_client
+
+    listing = getattr(xla_client, "custom_call_targets", None)
+    if listing is None:  # this jaxlib cannot list targets: the imports above are all we can do
+        return []
+    registered = listing(jax.devices()[0].client.platform)
+    return [t for t in known if t not in registered]
+
+
+class ExecutableCache:
+    """A directory of serialized executables keyed by ``executable_key`` (module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory).expanduser()
+        self.problems = 0  # entries found corrupt or unloadable in this process
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}{SUFFIX}"
+
+    def _problem(self, path: Path, reason: str) -> None:
+        self.problems += 1
+        logger.warning("compile cache entry %s is unusable (%s): recompiling and replacing it",
+                       path.name, reason)
+
+    def get(self, key: str) -> Entry | None:
+        """The verified entry of ``key``; None when absent or unusable (logged)."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self._problem(path, f"unreadable: {error}")
+            return None
+        try:
+            header, payload = decode(data)
+            if header.get("key") != key:
+                raise CacheEntryError(f"entry holds key {header.get('key')!r}")
+            out_specs = tuple(jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=weak)
+                              for shape, dtype, weak in header["out_specs"])
+        except (CacheEntryError, KeyError, TypeError, ValueError) as error:
+            self._problem(path, str(error))
+            return None
+        return Entry(path, header, payload, out_specs)
+
+    def load(self, entry: Entry) -> jax.stages.Compiled:
+        """Deserialize ``entry`` onto this backend; CacheEntryError (logged) when it cannot."""
+        header = entry.header
+        try:
+            missing = register_custom_calls(header["custom_calls"])
+            if missing:
+                raise CacheEntryError(f"custom-call targets {missing} are not registered")
+            num_args, num_outputs = header["num_args"], len(header["out_specs"])
+            in_tree = jax.tree_util.tree_structure((tuple(range(num_args)), {}))
+            out_tree = jax.tree_util.tree_structure(tuple(range(num_outputs)))
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in header["devices"]]
+            return serialize_executable.deserialize_and_load(entry.payload, in_tree, out_tree,
+                                                             execution_devices=devices)
+        except Exception as error:
+            self._problem(entry.path, f"cannot be loaded: {type(error).__name__}: {error}")
+            raise CacheEntryError(str(error)) from error
+
+    def put(
+        self,
+        key: str,
+        compiled: jax.stages.Compiled,
+        *,
+        segment: str,
+        bucket: str,
+        out_specs: Sequence[Any],
+        compile_seconds: float,
+    ) -> bool:
+        """Serialize ``compiled`` under ``key`` atomically; False (logged) if it cannot be."""
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            header = {
+                "format": FORMAT,
+                "key": key,
+                "segment": segment,
+                "bucket": bucket,
+                "num_args": in_tree.num_leaves,
+                "out_specs": [[list(s.shape), str(s.dtype), bool(getattr(s, "weak_type", False))]
+                              for s in out_specs],
+                "custom_calls": custom_call_targets(compiled),
+                # the executable's devices in assignment order: it must be loaded onto these
+                "devices": [d.id for d in compiled.runtime_executable().local_devices()],
+                "jax": jax.__version__,
+                "jaxlib": jaxlib.__version__,
+                "platform": jax.devices()[0].platform,
+                "device_kind": jax.devices()[0].device_kind,
+                "compile_seconds": round(compile_seconds, 4),
+                "created": time.time(),
+                "payload_bytes": len(payload),
+            }
+            if out_tree.num_leaves != len(out_specs):
+                raise ValueError(f"{out_tree.num_leaves} outputs, {len(out_specs)} specs")
+            self._write(self.path(key), _encode(header, payload))
+        except Exception as error:  # noqa: BLE001 - a failed write must not stop start-up
+            logger.warning("could not cache executable %s @ %s: %s: %s", segment, bucket,
+                           type(error).__name__, error)
+            return False
+        return True
+
+    def _write(self, path: Path, data: bytes) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+
+    def files(self) -> list[Path]:
+        """Entry files, oldest first (temporary files of unfinished writes excluded)."""
+        if not self.directory.is_dir():
+            return []
+        paths = [p for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")]
+        return sorted(paths, key=lambda p: p.stat().st_mtime)
+
+    def scan(self, *, verify: bool = False) -> Iterator[EntryInfo]:
+        """Every entry with its header; ``verify`` also checks the digest and that this process
+        (jax/jaxlib version, platform, device kind) could load it."""
+        now = time.time()
+        for path in self.files():
+            try:
+                data = path.read_bytes()
+                stat = path.stat()
+            except OSError:
+                continue  # removed while scanning
+            header, problem = None, None
+            try:
+                header = (decode(data) if verify else _read_header(data))[0]
+                if verify:
+                    problem = _incompatibility(header)
+            except CacheEntryError as error:
+                problem = str(error)
+            yield EntryInfo(path, header, stat.st_size, now - stat.st_mtime, problem)
+
+    def clear(self) -> int:
+        """Remove every entry and leftover temporary file; the number of entries removed."""
+        removed = 0
+        if self.directory.is_dir():
+            for path in self.directory.glob(f"*{SUFFIX}"):
+                path.unlink(missing_ok=True)
+                removed += not path.name.startswith(".")
+        return removed
+
+
+def _incompatibility(header: dict[str, Any]) -> str | None:
+    device = jax.devices()[0]
+    current = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+               "platform": device.platform, "device_kind": device.device_kind}
+    stale = [f"{k} {header.get(k)!r} != {v!r}" for k, v in current.items() if header.get(k) != v]
+    return f"built for another environment: {', '.join(stale)}" if stale else None

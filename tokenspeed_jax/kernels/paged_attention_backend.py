@@ -1,0 +1,144 @@
+"""The one place that chooses how decode attention over the paged KV cache runs.
+
+On a GPU, decode attention is JAX's own Pallas op
+``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention``: it walks each request's page
+table only up to the request's length, so a decode step costs what the live contexts hold, not
+``max_model_len``. Elsewhere (the CPU) it is the plain-JAX reference in ``attention.py``.
+Invariants:
+
+* The choice is static: ``choose_decode_kernel`` decides once, from the platform, the head size,
+  the page size and the cache dtype, and the runner compiles that choice in. A shape the op cannot
+  run is declared by ``pallas_unsupported_reason`` and takes the reference path knowingly, logged
+  once; nothing is tried and caught at run time.
+* The op's layout is the cache's layout: pages ``[num_kv_heads, num_pages, page_size, head_dim]``,
+  queries ``[batch, num_q_heads, head_dim]``. It does not scale the scores, so the query is scaled
+  before the call; it pads a head group that is not a multiple of ``block_h`` by itself.
+* A row with position < 0 (padding) has length 0: the op reads no page for it and returns zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+
+try:
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as _pallas_op
+except ImportError as error:  # declared below: this jax has no such op, decode uses the reference
+    _pallas_op = None
+    _IMPORT_ERROR = f"jax {jax.__version__} has no pallas.ops.gpu.paged_attention ({error})"
+else:
+    _IMPORT_ERROR = ""
+
+logger = logging.getLogger(__name__)
+
+PALLAS = "pallas"
+REFERENCE = "reference"
+PALLAS_DTYPES = ("bfloat16", "float16", "float32")
+MIN_DOT_DIM = 16  # Triton's dot needs every operand dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel:
+    """How decode attention runs: the backend and the Pallas op's tuning knobs."""
+
+    backend: str = REFERENCE
+    block_h: int = 16  # query heads per program; the op requires a multiple of 16
+    pages_per_compute_block: int = 8  # pages loaded per inner step (a power of 2)
+    k_splits: int = 16  # at most this many partitions of a page table, reduced at the end
+    interpret: bool = False  # run the Pallas op in the interpreter (tests on the CPU)
+
+    def __post_init__(self) -> None:
+        if self.backend not in (PALLAS, REFERENCE):
+            raise ValueError(f"backend={self.backend!r} must be {PALLAS!r} or {REFERENCE!r}")
+        if self.block_h % 16:
+            raise ValueError(f"block_h={self.block_h} must be a multiple of 16")
+        if not _power_of_2(self.pages_per_compute_block) or self.k_splits < 1:
+            raise ValueError(f"pages_per_compute_block={self.pages_per_compute_block} must be a "
+                             f"power of 2 and k_splits={self.k_splits} >= 1")
+
+
+def _power_of_2(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+REFERENCE_KERNEL = DecodeKernel(REFERENCE)
+
+
+def pallas_unsupported_reason(*, head_dim: int, page_size: int, dtype: jnp.dtype,
+                              kernel: DecodeKernel = REFERENCE_KERNEL) -> str | None:
+    """Why the Pallas op cannot run this cache shape, or None when it can.
+
+    Triton loads and stores whole power-of-2 blocks, and its dot needs dimensions >= 16.
+    """
+    if _pallas_op is None:
+        return _IMPORT_ERROR
+    if not _power_of_2(head_dim) or head_dim < MIN_DOT_DIM:
+        return f"head_dim={head_dim} is not a power of 2 >= {MIN_DOT_DIM}"
+    if not _power_of_2(page_size):
+        return f"page_size={page_size} is not a power of 2"
+    if page_size * kernel.pages_per_compute_block < MIN_DOT_DIM:
+        return (f"page_size={page_size} x pages_per_compute_block="
+                f"{kernel.pages_per_compute_block} < {MIN_DOT_DIM}")
+    if jnp.dtype(dtype).name not in PALLAS_DTYPES:
+        return f"cache dtype {jnp.dtype(dtype).name} is not one of {PALLAS_DTYPES}"
+    return None
+
+
+def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
+                         platform: str | None = None, devices: int = 1) -> DecodeKernel:
+    """The decode kernel for this platform (default: JAX's default backend) and cache shape.
+
+    ``devices`` > 1 (a KV cache sharded by the runner's mesh) takes the reference: the op is a
+    single-device custom call that XLA's partitioner cannot split by head.
+    """
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return REFERENCE_KERNEL
+    reason = pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+    if reason is None and devices > 1:
+        reason = f"the KV cache is sharded over {devices} devices"
+    if reason is not None:
+        _log_reference_once(reason)
+        return REFERENCE_KERNEL
+    return DecodeKernel(PALLAS)
+
+
+@functools.cache
+def _log_reference_once(reason: str) -> None:
+    logger.warning("decode attention uses the plain-JAX reference (it reads max_model_len "
+                   "slots per request): the Pallas paged_attention op cannot run here: %s", reason)
+
+
+def pallas_paged_decode(
+    kernel: DecodeKernel,
+    q: jax.Array,  # [B, Hq, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    page_tables: jax.Array,  # i32[B, P]
+    positions: jax.Array,  # i32[B]; < 0 = padding row
+    *,
+    scale: float,
+) -> jax.Array:  # [B, Hq, Dh]
+    """Each query over its request's pages 0..its position, through the Pallas op.
+
+    The page table is padded (with page 0, never read past the length) to a multiple of
+    ``pages_per_compute_block * k_splits``, which the op requires.
+    """
+    if _pallas_op is None:
+        raise ValueError(_IMPORT_ERROR)
+    width = page_tables.shape[1]
+    block = kernel.pages_per_compute_block
+    k_splits = min(kernel.k_splits, math.ceil(width / block))
+    padded = -(-width // (block * k_splits)) * (block * k_splits)
+    tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded - width)))
+    lengths = jnp.maximum(positions + 1, 0).astype(jnp.int32)
+    scaled = (q.astype(jnp.float32) * scale).astype(k_pages.dtype)
+    out = _pallas_op(scaled, k_pages, v_pages, tables, lengths, block_h=kernel.block_h,
+                     pages_per_compute_block=block, k_splits=k_splits,
+                     interpret=kernel.interpret)
+    return out.astype(q.dtype)

@@ -1,0 +1,495 @@
+"""Kimi-Linear (KDA + MLA + MoE hybrid) as Flax NNX modules, loaded from its own checkpoints.
+
+Layers are either KDA (linear attention with a recurrent state, ``kimi_linear_layers``) or MLA
+(latent attention over a KV cache, ``mla``); the feed-forward is a dense SwiGLU for the first
+``first_k_dense_replace`` layers and a sigmoid-routed MoE with shared experts after (``moe``).
+
+Stage interface (packed tokens ``[T, ...]``, what the runner's plans call):
+
+* ``embed(token_ids)`` / ``head(hidden)``;
+* KDA layer: ``layer.kda_inputs`` -> ``kda_core`` -> ``layer.kda_outputs``, or ``layer.kda_block``
+  for all three (``hidden, conv pool, state pool`` in and out, metadata ``KdaMeta``);
+* MLA layer: ``layer.mla_inputs(hidden) -> (q, latent)``, attention over the latent cache by the
+  caller, ``layer.mla_outputs(hidden, attn) -> hidden``.
+
+``KimiLinearForCausalLM.__call__`` is the plain reference forward over a dense cache
+(``KimiCache``), built from the same stage methods, with the pure-JAX KDA reference by default.
+
+Invariants:
+
+* The config is read from the checkpoint's config.json: ``linear_attn_config`` lists 1-indexed
+  ``kda_layers`` and ``full_attn_layers`` that must partition the layers; MLA must be NoPE
+  (``mla_use_nope: true``, the only form the reference implements) with as many KV heads as heads.
+* ``hf_weight_map`` is the one place that converts checkpoint names and ``[out, in]`` layouts;
+  per-expert tensors (``block_sparse_moe.experts.<e>.w{1,2,3}``) are stacked into ``[E, ...]``.
+  ``build_kimi_model`` checks both directions (unused tensor, unfilled parameter) like the
+  dense loader.
+* Router weights, the correction bias, ``A_log`` and ``dt_bias`` stay float32 whatever the
+  weight dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tokenspeed_jax.kernels.attention_ref import cache_causal_mask, masked_attention
+from tokenspeed_jax.models import hf_checkpoint
+from tokenspeed_jax.models.kimi_linear_layers import (
+    KdaImpl,
+    KdaMeta,
+    KimiDeltaAttention,
+    kda_core,
+)
+from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm
+from tokenspeed_jax.models.mla import MultiLatentAttention, latent_attention
+from tokenspeed_jax.models.moe import KimiMoE, SwiGLU
+
+MODEL_TYPE = "kimi_linear"
+KDA, MLA = "kda", "mla"
+
+
+@dataclasses.dataclass(frozen=True)
+class KimiLinearConfig:
+    """Architecture hyper-parameters, as read from a Kimi-Linear config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    layer_types: tuple[str, ...]
+    linear_num_heads: int
+    linear_head_dim: int
+    conv_kernel_size: int = 4
+    first_k_dense_replace: int = 1
+    num_experts: int = 256
+    num_experts_per_token: int = 8
+    num_shared_experts: int = 1
+    num_expert_group: int = 1
+    topk_group: int = 1
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    model_type: str = MODEL_TYPE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                KDA, MLA}:
+            raise ValueError(f"layer_types={self.layer_types} must give 'kda' or 'mla' for each "
+                             f"of num_hidden_layers={self.num_hidden_layers} layers")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in "
+                             f"[0, {self.num_hidden_layers}]")
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == KDA)
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == MLA)
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one MLA cache row: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> KimiLinearConfig:
+        """Build from a checkpoint config.json dict (see the module invariants)."""
+        if config.get("model_type") != MODEL_TYPE:
+            raise ValueError(f"model_type={config.get('model_type')!r} is not {MODEL_TYPE!r}")
+        layers = int(config["num_hidden_layers"])
+        linear = config.get("linear_attn_config") or {}
+        kda_layers = [int(i) for i in linear.get("kda_layers", ())]
+        full_layers = [int(i) for i in linear.get("full_attn_layers", ())]
+        if sorted(kda_layers + full_layers) != list(range(1, layers + 1)):
+            raise ValueError(
+                f"linear_attn_config kda_layers={kda_layers} and full_attn_layers={full_layers} "
+                f"must partition the 1-indexed layers 1..{layers}")
+        types = [KDA] * layers
+        for index in full_layers:
+            types[index - 1] = MLA
+        if full_layers and not config.get("mla_use_nope", False):
+            raise ValueError("mla_use_nope=false (rotary MLA) is not supported; Kimi-Linear "
+                             "checkpoints use NoPE MLA")
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        if kv_heads != heads:
+            raise ValueError(f"MLA needs num_key_value_heads={kv_heads} == "
+                             f"num_attention_heads={heads}")
+        activation = config.get("moe_router_activation_func", "sigmoid")
+        if activation != "sigmoid":
+            raise ValueError(f"moe_router_activation_func={activation!r} is not supported")
+        if int(config.get("moe_layer_freq", 1)) != 1:
+            raise ValueError(f"moe_layer_freq={config['moe_layer_freq']} is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported")
+        q_lora = config.get("q_lora_rank")
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            moe_intermediate_size=int(config["moe_intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            kv_lora_rank=int(config["kv_lora_rank"]),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+            v_head_dim=int(config["v_head_dim"]),
+            layer_types=tuple(types),
+            linear_num_heads=int(linear.get("num_heads", heads)),
+            linear_head_dim=int(linear["head_dim"]),
+            conv_kernel_size=int(linear.get("short_conv_kernel_size", 4)),
+            first_k_dense_replace=int(config.get("first_k_dense_replace", 1)),
+            num_experts=int(config["num_experts"]),
+            num_experts_per_token=int(config["num_experts_per_token"]),
+            num_shared_experts=int(config.get("num_shared_experts", 1)),
+            num_expert_group=int(config.get("num_expert_group", 1)),
+            topk_group=int(config.get("topk_group", 1)),
+            moe_renormalize=bool(config.get("moe_renormalize", True)),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A checkpoint-format config.json dict that ``from_hf`` reads back to an equal config."""
+        out = dataclasses.asdict(self)
+        for key in ("layer_types", "linear_num_heads", "linear_head_dim", "conv_kernel_size"):
+            del out[key]
+        out.update(
+            num_key_value_heads=self.num_attention_heads, mla_use_nope=True,
+            linear_attn_config={
+                "kda_layers": [i + 1 for i in self.kda_layers],
+                "full_attn_layers": [i + 1 for i in self.mla_layers],
+                "num_heads": self.linear_num_heads, "head_dim": self.linear_head_dim,
+                "short_conv_kernel_size": self.conv_kernel_size})
+        return out
+
+
+class KimiDecoderLayer(nnx.Module):
+    """One pre-norm layer: a KDA or MLA token mixer, then a dense or MoE feed-forward."""
+
+    def __init__(self, config: KimiLinearConfig, index: int, *, dtype: Any, param_dtype: Any,
+                 rngs: nnx.Rngs) -> None:
+        d = config.hidden_size
+        kw = {"dtype": dtype, "param_dtype": param_dtype}
+        self.kind = config.layer_types[index]
+        self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps, **kw)
+        if self.kind == KDA:
+            self.self_attn = KimiDeltaAttention(
+                d, num_heads=config.linear_num_heads, head_dim=config.linear_head_dim,
+                conv_size=config.conv_kernel_size, norm_eps=config.rms_norm_eps, rngs=rngs, **kw)
+        else:
+            self.self_attn = MultiLatentAttention(
+                d, num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
+                kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                rngs=rngs, **kw)
+        if index < config.first_k_dense_replace:
+            self.mlp = SwiGLU(d, config.intermediate_size, rngs=rngs, **kw)
+        else:
+            self.mlp = KimiMoE(
+                d, config.moe_intermediate_size, num_experts=config.num_experts,
+                top_k=config.num_experts_per_token, num_groups=config.num_expert_group,
+                topk_groups=config.topk_group, num_shared=config.num_shared_experts,
+                renormalize=config.moe_renormalize, scaling=config.routed_scaling_factor,
+                rngs=rngs, **kw)
+        self.dtype = dtype
+
+    def _feed_forward(self, hidden: jax.Array, mixed: jax.Array) -> jax.Array:
+        hidden = hidden.astype(self.dtype) + mixed
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def kda_inputs(self, hidden: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> tuple:
+        """hidden [T, D] -> (q, k, v, g, beta, gate, conv pool); see ``KimiDeltaAttention``."""
+        return self.self_attn.inputs(self.input_layernorm(hidden), conv_pool, meta)
+
+    def kda_outputs(self, hidden: jax.Array, o: jax.Array, gate: jax.Array) -> jax.Array:
+        """The layer's input residual, KDA output and gate -> the layer's output [T, D]."""
+        return self._feed_forward(hidden, self.self_attn.outputs(o, gate))
+
+    def kda_block(self, hidden: jax.Array, conv_pool: jax.Array, state_pool: jax.Array,
+                  meta: KdaMeta, *, impl: KdaImpl, decode: bool = False) -> tuple:
+        """The whole KDA layer: (hidden, conv pool, state pool)."""
+        q, k, v, g, beta, gate, conv_pool = self.kda_inputs(hidden, conv_pool, meta)
+        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode)
+        return self.kda_outputs(hidden, o, gate), conv_pool, state_pool
+
+    def mla_inputs(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """hidden [..., D] -> (absorbed query [..., H, R + r], latent row [..., R + r])."""
+        return self.self_attn.inputs(self.input_layernorm(hidden))
+
+    def mla_outputs(self, hidden: jax.Array, attn: jax.Array) -> jax.Array:
+        """The layer's input residual and latent attention [..., H, R] -> output [..., D]."""
+        return self._feed_forward(hidden, self.self_attn.outputs(attn))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KimiCache:
+    """Dense per-request caches of the plain forward: row b of each array is request b.
+
+    ``latent``: one [B, S, R + r] array per MLA layer (slot p holds position p); ``conv``:
+    [B, W - 1, 3 H K] and ``state``: [B, H, K, V] float32 per KDA layer.
+    """
+
+    latent: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+    state: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(cls, config: KimiLinearConfig, batch: int, max_len: int, dtype: Any) -> KimiCache:
+        k = config.linear_head_dim
+        conv = (batch, config.conv_kernel_size - 1, 3 * config.linear_num_heads * k)
+        state = (batch, config.linear_num_heads, k, k)
+        return cls(
+            latent=tuple(jnp.zeros((batch, max_len, config.latent_dim), dtype)
+                         for _ in config.mla_layers),
+            conv=tuple(jnp.zeros(conv, dtype) for _ in config.kda_layers),
+            state=tuple(jnp.zeros(state, jnp.float32) for _ in config.kda_layers),
+        )
+
+
+class KimiLinearForCausalLM(CausalLMBase):
+    """Kimi-Linear causal LM; see the module docstring for the stage interface."""
+
+    def __init__(self, config: KimiLinearConfig, *, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.attention_scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+        self.init_embedding(param_dtype, rngs)
+        self.layers = nnx.List([
+            KimiDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            for i in range(config.num_hidden_layers)
+        ])
+        self.init_head(param_dtype, rngs)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, cache: KimiCache, *,
+                 kda_impl: KdaImpl = "reference") -> tuple[jax.Array, KimiCache]:
+        """token_ids, positions int32 [B, T] (every token real, each row's positions contiguous
+        from its cached length) -> (float32 logits [B, T, V], updated cache)."""
+        batch, length = token_ids.shape
+        meta = KdaMeta.dense(batch, length)
+        latent, conv, state = list(cache.latent), list(cache.conv), list(cache.state)
+        mask = cache_causal_mask(positions, latent[0].shape[1]) if latent else None
+        rows = jnp.arange(batch)[:, None]
+        hidden = self.embed(token_ids)
+        kda_index = mla_index = 0
+        for layer in self.layers:
+            if layer.kind == KDA:
+                i = kda_index
+                packed, conv[i], state[i] = layer.kda_block(
+                    hidden.reshape(batch * length, -1), conv[i], state[i], meta, impl=kda_impl,
+                    decode=length == 1)
+                hidden = packed.reshape(batch, length, -1)
+                kda_index += 1
+            else:
+                j = mla_index
+                q, row = layer.mla_inputs(hidden)
+                latent[j] = latent[j].at[rows, positions].set(row.astype(latent[j].dtype))
+                attn = latent_attention(masked_attention, q, latent[j],
+                                        self.config.kv_lora_rank, mask,
+                                        scale=self.attention_scale)
+                hidden = layer.mla_outputs(hidden, attn)
+                mla_index += 1
+        return self.head(hidden), KimiCache(tuple(latent), tuple(conv), tuple(state))
+
+    @staticmethod
+    def hf_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
+        """Checkpoint tensor name -> where it goes in the NNX state and how its layout changes."""
+        return kimi_weight_map(config)
+
+
+class KimiWeight(NamedTuple):
+    """Where one checkpoint tensor goes: state path, checkpoint shape, layout change, and for a
+    per-expert tensor its row in the stacked ``[E, ...]`` parameter."""
+
+    path: tuple[str | int, ...]
+    hf_shape: tuple[int, ...]
+    transform: Any
+    expert: int | None = None
+
+
+def _t(w: np.ndarray) -> np.ndarray:
+    return np.transpose(w)
+
+
+def _same(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
+    """See ``KimiLinearForCausalLM.hf_weight_map``."""
+    d, vocab = config.hidden_size, config.vocab_size
+    h, k, width = config.linear_num_heads, config.linear_head_dim, config.conv_kernel_size
+    heads, nope, rope = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
+    v_dim, rank, q_rank = config.v_head_dim, config.kv_lora_rank, config.q_lora_rank
+
+    def heads_in(n: int, dh: int, inner: int):  # [n*dh, inner] -> [inner, n, dh]
+        return lambda w: w.reshape(n, dh, inner).transpose(2, 0, 1)
+
+    def heads_out(n: int, dh: int):  # [D, n*dh] -> [n, dh, D]
+        return lambda w: w.reshape(d, n, dh).transpose(1, 2, 0)
+
+    mapping = {
+        "model.embed_tokens.weight": KimiWeight(("embed_tokens",), (vocab, d), _same),
+        "model.norm.weight": KimiWeight(("norm", "weight"), (d,), _same),
+    }
+    if not config.tie_word_embeddings:
+        mapping["lm_head.weight"] = KimiWeight(("lm_head",), (vocab, d), _t)
+    for i, kind in enumerate(config.layer_types):
+        hf, path = f"model.layers.{i}.", ("layers", i)
+        attn, at = hf + "self_attn.", path + ("self_attn",)
+        entries = {
+            hf + "input_layernorm.weight": (path + ("input_layernorm", "weight"), (d,), _same),
+            hf + "post_attention_layernorm.weight": (
+                path + ("post_attention_layernorm", "weight"), (d,), _same),
+        }
+        if kind == KDA:
+            for name in "qkv":
+                entries[attn + f"{name}_proj.weight"] = (at + (f"{name}_proj",), (h * k, d),
+                                                         heads_in(h, k, d))
+                entries[attn + f"{name}_conv1d.weight"] = (
+                    at + (f"{name}_conv",), (h * k, 1, width), lambda w: w[:, 0, :])
+            entries.update({
+                attn + "f_a_proj.weight": (at + ("f_a_proj",), (k, d), _t),
+                attn + "f_b_proj.weight": (at + ("f_b_proj",), (h * k, k), heads_in(h, k, k)),
+                attn + "dt_bias": (at + ("dt_bias",), (h * k,), lambda w: w.reshape(h, k)),
+                attn + "A_log": (at + ("A_log",), (1, 1, h, 1), lambda w: w.reshape(h)),
+                attn + "b_proj.weight": (at + ("b_proj",), (h, d), _t),
+                attn + "g_a_proj.weight": (at + ("g_a_proj",), (k, d), _t),
+                attn + "g_b_proj.weight": (at + ("g_b_proj",), (h * k, k), heads_in(h, k, k)),
+                attn + "o_norm.weight": (at + ("o_norm",), (k,), _same),
+                attn + "o_proj.weight": (at + ("o_proj",), (d, h * k), heads_out(h, k)),
+            })
+        else:
+            qk = nope + rope
+            if q_rank is None:
+                entries[attn + "q_proj.weight"] = (at + ("q_proj",), (heads * qk, d),
+                                                   heads_in(heads, qk, d))
+            else:
+                entries.update({
+                    attn + "q_a_proj.weight": (at + ("q_a_proj",), (q_rank, d), _t),
+                    attn + "q_a_layernorm.weight": (at + ("q_a_layernorm", "weight"), (q_rank,),
+                                                    _same),
+                    attn + "q_b_proj.weight": (at + ("q_b_proj",), (heads * qk, q_rank),
+                                               heads_in(heads, qk, q_rank)),
+                })
+            entries.update({
+                attn + "kv_a_proj_with_mqa.weight": (at + ("kv_a_proj",), (rank + rope, d), _t),
+                attn + "kv_a_layernorm.weight": (at + ("kv_a_layernorm", "weight"), (rank,),
+                                                 _same),
+                attn + "kv_b_proj.weight": (at + ("kv_b_proj",), (heads * (nope + v_dim), rank),
+                                            heads_in(heads, nope + v_dim, rank)),
+                attn + "o_proj.weight": (at + ("o_proj",), (d, heads * v_dim),
+                                         heads_out(heads, v_dim)),
+            })
+        if i < config.first_k_dense_replace:
+            f, mlp, mp = config.intermediate_size, hf + "mlp.", path + ("mlp",)
+        else:
+            f, mlp, mp = config.moe_intermediate_size, hf + "block_sparse_moe.", path + ("mlp",)
+            experts = config.num_experts
+            entries.update({
+                mlp + "gate.weight": (mp + ("gate",), (experts, d), _t),
+                mlp + "gate.e_score_correction_bias": (mp + ("e_score_correction_bias",),
+                                                       (experts,), _same),
+            })
+            for e in range(experts):
+                for name, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                    mapping[mlp + f"experts.{e}.{name}.weight"] = KimiWeight(
+                        mp + (name,), shape, _t, e)
+            f, mlp, mp = f * config.num_shared_experts, mlp + "shared_experts.", mp + (
+                "shared_experts",)
+        entries.update({
+            mlp + "gate_proj.weight": (mp + ("gate_proj",), (f, d), _t),
+            mlp + "up_proj.weight": (mp + ("up_proj",), (f, d), _t),
+            mlp + "down_proj.weight": (mp + ("down_proj",), (d, f), _t),
+        })
+        mapping.update({name: KimiWeight(*entry) for name, entry in entries.items()})
+    return mapping
+
+
+def abstract_kimi_model(config: KimiLinearConfig, dtype: Any) -> KimiLinearForCausalLM:
+    """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
+    return nnx.eval_shape(
+        lambda: KimiLinearForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def build_kimi_model(
+    config: KimiLinearConfig,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    *,
+    dtype: Any = jnp.float32,
+    source: str = "checkpoint",
+) -> KimiLinearForCausalLM:
+    """Fill an abstract model from (checkpoint name, array) pairs; see the module invariants."""
+    graphdef, state = nnx.split(abstract_kimi_model(config, dtype))
+    weight_map = kimi_weight_map(config)
+    values = state.to_pure_dict()
+    filled: set[str] = set()
+    unused: list[str] = []
+    stacks: dict[tuple, np.ndarray] = {}
+    for name, array in tensors:
+        entry = weight_map.get(name)
+        if entry is None:
+            if not name.endswith("rotary_emb.inv_freq"):
+                unused.append(name)
+            continue
+        hf_checkpoint.check_tensor(source, name, array.shape, entry.hf_shape, filled)
+        node, leaf = hf_checkpoint.leaf_holder(values, entry.path)
+        target_dtype = node[leaf].dtype
+        value = entry.transform(np.asarray(array))
+        if entry.expert is None:
+            node[leaf] = jnp.asarray(value, dtype=target_dtype)
+        else:
+            if entry.path not in stacks:
+                stacks[entry.path] = np.empty(node[leaf].shape, value.dtype)
+            stacks[entry.path][entry.expert] = value
+        filled.add(name)
+    hf_checkpoint.check_all_used(source, MODEL_TYPE, unused, weight_map, filled)
+    for path, stacked in stacks.items():
+        node, leaf = hf_checkpoint.leaf_holder(values, path)
+        node[leaf] = jnp.asarray(stacked, dtype=node[leaf].dtype)
+    state.replace_by_pure_dict(values)
+    return nnx.merge(graphdef, state)
+
+
+def is_kimi_dir(path: Path) -> bool:
+    """An HF directory whose config.json declares ``model_type: kimi_linear``."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        return False
+    config = hf_checkpoint.read_json(config_path)
+    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
+
+
+def load_kimi_hf(path: str | os.PathLike, dtype: Any) -> tuple[KimiLinearConfig,
+                                                               KimiLinearForCausalLM]:
+    """Config and model of a Kimi-Linear HF directory, weights in ``dtype``."""
+    root = Path(path)
+    config = KimiLinearConfig.from_hf(hf_checkpoint.read_json(root / "config.json"))
+    model = build_kimi_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=dtype,
+                             source=str(root))
+    return config, model

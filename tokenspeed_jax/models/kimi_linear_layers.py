@@ -1,0 +1,193 @@
+"""Kimi Delta Attention (KDA) as a layer over packed requests with per-request state pools.
+
+One KDA layer, on the normed hidden ``x [T, D]`` of a packed batch (requests delimited by
+``cu_seqlens [N + 1]``, request ``n`` owning state row ``slots[n]`` of both pools):
+
+    q, k, v  = silu(short_conv(x @ {q,k,v}_proj))        conv state: conv pool [P, W - 1, 3 H K]
+    g        = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)    (float32, log-space decay)
+    beta     = sigmoid(x @ b_proj)
+    o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, K, V] fp32
+    out      = o_proj(rmsnorm(o) * sigmoid(g_b(g_a(x))))   (the gated norm runs per head, fp32)
+
+Invariants:
+
+* A request with ``slots[n] < 0`` is padding: it reads zero states and writes neither pool.
+* Checkpoints: when ``checkpoint_slots[n] >= 0`` the request also stores both states as they are
+  after ``checkpoint_offsets[n]`` of its tokens into row ``checkpoint_slots[n]`` (the offset is a
+  positive multiple of the 64-token KDA chunk, at most the request's length).
+* The KDA core has two implementations with one contract (``KdaMeta`` and the pools):
+  ``"pallas"`` (the chunked prefill and recurrent decode kernels; traceable, used in every
+  compiled plan) and ``"reference"`` (the pure-JAX reference of ``kernels.kda_ref``; it needs
+  concrete, host-side metadata, so it runs in eager execution and in the plain forward only).
+* Weight layouts: ``{q,k,v}_proj [D, H, K]``, ``{q,k,v}_conv [H K, W]``, ``f_a_proj [D, K]``,
+  ``f_b_proj [K, H, K]``, ``dt_bias [H, K]`` and ``A_log [H]`` (float32), ``b_proj [D, H]``,
+  ``g_a_proj [D, K]``, ``g_b_proj [K, H, K]``, ``o_norm [K]``, ``o_proj [H, K, D]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tokenspeed_jax.kernels.kda import chunk_kda_prefill
+from tokenspeed_jax.kernels.kda_decode import kda_decode
+from tokenspeed_jax.kernels.kda_ref import kda_gate, recurrent_kda_reference
+from tokenspeed_jax.kernels.short_conv import short_conv_pool
+from tokenspeed_jax.models.layers import linear, normal_param
+
+KdaImpl = Literal["pallas", "reference"]
+KDA_IMPLS = ("pallas", "reference")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KdaMeta:
+    """Per-request KDA metadata of one packed batch (int32 arrays)."""
+
+    cu_seqlens: Any  # [N + 1]
+    slots: Any  # [N]; < 0: padding request
+    checkpoint_offsets: Any  # [N]
+    checkpoint_slots: Any  # [N]; < 0: no checkpoint
+
+    @classmethod
+    def dense(cls, batch: int, length: int) -> KdaMeta:
+        """``batch`` rows of ``length`` tokens, row b in state slot b, no checkpoints."""
+        none = np.full(batch, -1, np.int32)
+        return cls(np.arange(batch + 1, dtype=np.int32) * length,
+                   np.arange(batch, dtype=np.int32), np.zeros(batch, np.int32), none)
+
+
+def _kda_reference(q, k, v, g, beta, pool, meta: KdaMeta):
+    """The reference core, request by request, on concrete metadata (see the module docs)."""
+    cu, slots = np.asarray(meta.cu_seqlens), np.asarray(meta.slots)
+    offsets, ckpt_slots = np.asarray(meta.checkpoint_offsets), np.asarray(meta.checkpoint_slots)
+    out = jnp.zeros(v.shape, v.dtype)
+
+    def run(lo: int, hi: int, state: jax.Array) -> jax.Array:
+        nonlocal out
+        o, final = recurrent_kda_reference(
+            *(x[None, lo:hi] for x in (q, k, v, g, beta)), initial_state=state[None],
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out = out.at[lo:hi].set(o[0])
+        return final[0]
+
+    for n in range(len(slots)):
+        lo, hi, slot = int(cu[n]), int(cu[n + 1]), int(slots[n])
+        state = pool[slot] if slot >= 0 else jnp.zeros(pool.shape[1:], pool.dtype)
+        if hi == lo:
+            continue
+        split = int(offsets[n])
+        if ckpt_slots[n] >= 0 and 0 < split <= hi - lo:
+            state = run(lo, lo + split, state)
+            pool = pool.at[int(ckpt_slots[n])].set(state)
+            lo += split
+        if hi > lo:
+            state = run(lo, hi, state)
+        if slot >= 0:
+            pool = pool.at[slot].set(state)
+    return out, pool
+
+
+def kda_core(q, k, v, g, beta, state_pool, meta: KdaMeta, *, impl: KdaImpl, decode: bool):
+    """KDA over packed q, k [T, H, K], v [T, H, V], log decay g [T, H, K], beta [T, H].
+
+    Returns (o [T, H, V], updated state pool). ``decode`` (one token per request, no
+    checkpoints) selects the recurrent kernel on the Pallas path.
+    """
+    if impl == "reference":
+        return _kda_reference(q, k, v, g, beta, state_pool, meta)
+    if impl != "pallas":
+        raise ValueError(f"unknown KDA implementation {impl!r}; expected one of {KDA_IMPLS}")
+    if decode:
+        return kda_decode(q, k, v, g, beta, state_pool, meta.slots,
+                          use_qk_l2norm_in_kernel=True)
+    return chunk_kda_prefill(q, k, v, g, beta, state_pool, meta.slots, meta.cu_seqlens,
+                             meta.checkpoint_offsets, meta.checkpoint_slots,
+                             use_qk_l2norm_in_kernel=True)
+
+
+def conv_checkpoint(x: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> jax.Array:
+    """Store, for each checkpointing request, its conv state after ``checkpoint_offsets[n]``
+    tokens (the W - 1 inputs before that point, oldest first; offsets >= W - 1)."""
+    width = conv_pool.shape[1]
+    cu = jnp.asarray(meta.cu_seqlens, jnp.int32)
+    offsets = jnp.asarray(meta.checkpoint_offsets, jnp.int32)
+    slots = jnp.asarray(meta.checkpoint_slots, jnp.int32)
+    rows = cu[:-1, None] + offsets[:, None] - width + jnp.arange(width)[None, :]
+    states = jnp.take(x, rows, axis=0, mode="clip")
+    valid = (slots >= 0) & (offsets > 0) & (offsets <= cu[1:] - cu[:-1])
+    target = jnp.where(valid, slots, conv_pool.shape[0])
+    return conv_pool.at[target].set(states.astype(conv_pool.dtype), mode="drop")
+
+
+class KimiDeltaAttention(nnx.Module):
+    """The KDA token mixer; see the module docstring for the computation and layouts."""
+
+    def __init__(self, hidden: int, *, num_heads: int, head_dim: int, conv_size: int,
+                 norm_eps: float, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> None:
+        h, k = num_heads, head_dim
+        self.q_proj = normal_param(rngs, (hidden, h, k), param_dtype)
+        self.k_proj = normal_param(rngs, (hidden, h, k), param_dtype)
+        self.v_proj = normal_param(rngs, (hidden, h, k), param_dtype)
+        self.q_conv = normal_param(rngs, (h * k, conv_size), param_dtype)
+        self.k_conv = normal_param(rngs, (h * k, conv_size), param_dtype)
+        self.v_conv = normal_param(rngs, (h * k, conv_size), param_dtype)
+        self.f_a_proj = normal_param(rngs, (hidden, k), param_dtype)
+        self.f_b_proj = normal_param(rngs, (k, h, k), param_dtype)
+        self.dt_bias = nnx.Param(jnp.zeros((h, k), jnp.float32))
+        self.A_log = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.b_proj = normal_param(rngs, (hidden, h), param_dtype)
+        self.g_a_proj = normal_param(rngs, (hidden, k), param_dtype)
+        self.g_b_proj = normal_param(rngs, (k, h, k), param_dtype)
+        self.o_norm = nnx.Param(jnp.ones((k,), param_dtype))
+        self.o_proj = normal_param(rngs, (h, k, hidden), param_dtype)
+        self.num_heads, self.head_dim, self.conv_size = h, k, conv_size
+        self.norm_eps = norm_eps
+        self.dtype = dtype
+
+    @property
+    def conv_dim(self) -> int:
+        return 3 * self.num_heads * self.head_dim
+
+    def inputs(self, x: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> tuple:
+        """Normed hidden [T, D] -> (q, k, v [T, H, K], g fp32, beta [T, H], gate [T, H, K],
+        updated conv pool)."""
+        def project(name: str) -> jax.Array:
+            out = linear("TD,DHK->THK", x, getattr(self, f"{name}_proj"), self.dtype)
+            return out.reshape(x.shape[0], -1)
+
+        mixed = jnp.concatenate([project(n) for n in "qkv"], axis=-1)
+        weight = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], axis=0)
+        conv_out, conv_pool = short_conv_pool(
+            mixed, weight, conv_pool, jnp.asarray(meta.slots, jnp.int32),
+            jnp.asarray(meta.cu_seqlens, jnp.int32), activation="silu")
+        conv_pool = conv_checkpoint(mixed, conv_pool, meta)
+        q, k, v = (part.reshape(x.shape[0], self.num_heads, self.head_dim)
+                   for part in jnp.split(conv_out, 3, axis=-1))
+        f = linear("TD,DK->TK", x, self.f_a_proj, self.dtype)
+        g = kda_gate(linear("TK,KHJ->THJ", f, self.f_b_proj, self.dtype), self.A_log[...],
+                     self.dt_bias[...])
+        beta = jax.nn.sigmoid(linear("TD,DH->TH", x, self.b_proj, self.dtype))
+        gate_low = linear("TD,DK->TK", x, self.g_a_proj, self.dtype)
+        gate = linear("TK,KHJ->THJ", gate_low, self.g_b_proj, self.dtype)
+        return q, k, v, g, beta, gate, conv_pool
+
+    def outputs(self, o: jax.Array, gate: jax.Array) -> jax.Array:
+        """KDA output [T, H, V] and gate [T, H, K] -> [T, D] (gated per-head RMSNorm, o_proj)."""
+        o32 = o.astype(jnp.float32)
+        normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.norm_eps)
+        gated = normed * self.o_norm[...].astype(jnp.float32) * jax.nn.sigmoid(
+            gate.astype(jnp.float32))
+        return linear("THK,HKD->TD", gated.astype(self.dtype), self.o_proj, self.dtype)
+
+    def __call__(self, x: jax.Array, conv_pool: jax.Array, state_pool: jax.Array, meta: KdaMeta,
+                 *, impl: KdaImpl, decode: bool = False) -> tuple:
+        """The whole mixer: (out [T, D], conv pool, state pool)."""
+        q, k, v, g, beta, gate, conv_pool = self.inputs(x, conv_pool, meta)
+        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode)
+        return self.outputs(o, gate), conv_pool, state_pool

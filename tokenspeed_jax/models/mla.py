@@ -1,0 +1,166 @@
+"""Multi-head latent attention (MLA) as Kimi-Linear uses it: NoPE, with a latent KV cache.
+
+Per token the cache holds one latent row ``[R + r]``: the normalised compressed KV
+(``kv_a_layernorm(c)``, R = kv_lora_rank) followed by the shared key part of width
+r = qk_rope_head_dim, left unrotated (``mla_use_nope``). Attention runs in the absorbed form:
+
+    q_lat[h]  = q_nope[h] @ W_uk[h]^T              (W_uk: the key half of kv_b_proj, [R, H, n])
+    score     = (q_lat . c + q_rot . k_rot) * (n + r) ** -0.5
+    out[h]    = (softmax(score) @ c) @ W_uv[h]      (W_uv: the value half, [R, H, v])
+
+which equals expanding the latents into per-head K/V (what the reference does) up to float
+rounding, and makes the cache one multi-query head: ``q [T, H, R + r]`` against ``kv [S, 1, R + r]``,
+with the values being the first R features of the same rows. ``latent_attention`` therefore reuses
+the plain masked attention with V = K and drops the last r output features.
+
+Weight layouts: ``q_proj [D, H, n + r]`` or ``q_a_proj [D, Q]``, ``q_a_layernorm [Q]``,
+``q_b_proj [Q, H, n + r]``; ``kv_a_proj [D, R + r]``, ``kv_a_layernorm [R]``,
+``kv_b_proj [R, H, n + v]``; ``o_proj [H, v, D]``. The low-rank norms use eps 1e-6 (the reference
+builds them without the config's eps).
+
+The paged latent cache of one layer is ``[num_pages, page_size, R + r]``; slot ``s`` is page
+``s // page_size``, row ``s % page_size``. A slot < 0 (padding) writes nothing and a padding query
+(request or position < 0) reads nothing and gets zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tokenspeed_jax.kernels.attention_ref import masked_attention
+from tokenspeed_jax.models.layers import RMSNorm, linear, normal_param
+
+LORA_NORM_EPS = 1e-6
+
+
+class MultiLatentAttention(nnx.Module):
+    """Projections around the latent attention; the attention itself is the caller's."""
+
+    def __init__(
+        self,
+        hidden: int,
+        *,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+    ) -> None:
+        qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj = normal_param(rngs, (hidden, num_heads, qk_dim), param_dtype)
+        else:
+            self.q_a_proj = normal_param(rngs, (hidden, q_lora_rank), param_dtype)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=LORA_NORM_EPS, dtype=dtype,
+                                         param_dtype=param_dtype)
+            self.q_b_proj = normal_param(rngs, (q_lora_rank, num_heads, qk_dim), param_dtype)
+        self.kv_a_proj = normal_param(rngs, (hidden, kv_lora_rank + qk_rope_head_dim), param_dtype)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=LORA_NORM_EPS, dtype=dtype,
+                                      param_dtype=param_dtype)
+        self.kv_b_proj = normal_param(rngs, (kv_lora_rank, num_heads, qk_nope_head_dim + v_head_dim),
+                                 param_dtype)
+        self.o_proj = normal_param(rngs, (num_heads, v_head_dim, hidden), param_dtype)
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.nope_dim = qk_nope_head_dim
+        self.dtype = dtype
+        self.scale = qk_dim ** -0.5
+
+    def inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Normed hidden [..., D] -> (absorbed query [..., H, R + r], latent row [..., R + r])."""
+        if self.q_lora_rank is None:
+            q = linear("...D,DHK->...HK", x, self.q_proj, self.dtype)
+        else:
+            q_low = self.q_a_layernorm(linear("...D,DQ->...Q", x, self.q_a_proj, self.dtype))
+            q = linear("...Q,QHK->...HK", q_low, self.q_b_proj, self.dtype)
+        q_nope, q_rot = q[..., :self.nope_dim], q[..., self.nope_dim:]
+        w_uk = self.kv_b_proj[...][..., :self.nope_dim]
+        q_lat = linear("...HN,RHN->...HR", q_nope, w_uk, self.dtype)
+        kv = linear("...D,DL->...L", x, self.kv_a_proj, self.dtype)
+        latent = jnp.concatenate(
+            [self.kv_a_layernorm(kv[..., :self.kv_lora_rank]), kv[..., self.kv_lora_rank:]], -1)
+        return jnp.concatenate([q_lat, q_rot], axis=-1), latent
+
+    def outputs(self, attn: jax.Array) -> jax.Array:
+        """Latent attention output [..., H, R] -> [..., D]."""
+        w_uv = self.kv_b_proj[...][..., self.nope_dim:]
+        out = linear("...HR,RHV->...HV", attn, w_uv, self.dtype)
+        return linear("...HV,HVD->...D", out, self.o_proj, self.dtype)
+
+
+def latent_attention(
+    attend: Any, q: jax.Array, kv_pages: jax.Array, kv_lora_rank: int, *args: Any, **kwargs: Any
+) -> jax.Array:
+    """Run an attention function with K = V = the latent rows (one head); keep R features.
+
+    ``attend(q, k, v, *args, **kwargs)`` is any of the paged or masked attention functions; the
+    latent rows ``kv_pages [..., R + r]`` get a singleton head axis before the last.
+    """
+    kv = kv_pages[..., None, :]
+    return attend(q, kv, kv, *args, **kwargs)[..., :kv_lora_rank]
+
+
+def write_latent(
+    pages: jax.Array,  # [num_pages, page_size, R + r]
+    rows: jax.Array,  # [T, R + r]
+    slot_mapping: jax.Array,  # i32[T]; < 0 writes nothing
+) -> jax.Array:
+    """``pages`` with each token's latent row stored at its slot (page * page_size + row)."""
+    num_slots = pages.shape[0] * pages.shape[1]
+    slots = jnp.where(slot_mapping >= 0, slot_mapping, num_slots)
+    flat = pages.reshape(num_slots, pages.shape[-1])
+    return flat.at[slots].set(rows.astype(pages.dtype), mode="drop").reshape(pages.shape)
+
+
+def _context(pages: jax.Array, page_tables: jax.Array) -> jax.Array:
+    """Each request's latent rows in position order: [N, W * page_size, R + r]."""
+    ctx = jnp.take(pages, page_tables, axis=0, mode="clip")
+    return ctx.reshape(page_tables.shape[0], -1, pages.shape[-1])
+
+
+def paged_latent_prefill(
+    q: jax.Array,  # [T, H, R + r]
+    pages: jax.Array,  # [num_pages, page_size, R + r], this step's rows already written
+    page_tables: jax.Array,  # i32[N, W]
+    token_request: jax.Array,  # i32[T]; < 0 = padding token
+    positions: jax.Array,  # i32[T]; < 0 = padding token
+    *,
+    scale: float,
+    kv_lora_rank: int,
+) -> jax.Array:  # [T, H, R]
+    """Causal latent attention of packed requests over their pages (prefix pages included); a
+    padding token gets zeros."""
+    ctx = _context(pages, page_tables)
+    batch, context = ctx.shape[:2]
+    slot_request = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), context)
+    slot_position = jnp.tile(jnp.arange(context, dtype=jnp.int32), batch)
+    mask = ((slot_request[None, :] == token_request[:, None])
+            & (slot_position[None, :] <= positions[:, None]) & (positions[:, None] >= 0))
+    flat = ctx.reshape(1, batch * context, -1)
+    return latent_attention(masked_attention, q[None], flat, kv_lora_rank, mask[None],
+                            scale=scale)[0]
+
+
+def paged_latent_decode(
+    q: jax.Array,  # [N, H, R + r]: one query per request
+    pages: jax.Array,  # [num_pages, page_size, R + r]
+    page_tables: jax.Array,  # i32[N, W]
+    positions: jax.Array,  # i32[N]; < 0 = padding row
+    *,
+    scale: float,
+    kv_lora_rank: int,
+) -> jax.Array:  # [N, H, R]
+    """Each request's single query over its own pages, positions 0..its position."""
+    ctx = _context(pages, page_tables)
+    slots = jnp.arange(ctx.shape[1], dtype=jnp.int32)
+    mask = (slots[None, :] <= positions[:, None]) & (positions[:, None] >= 0)
+    return latent_attention(masked_attention, q[:, None], ctx, kv_lora_rank, mask[:, None, :],
+                            scale=scale)[:, 0]

@@ -1,0 +1,130 @@
+"""Kimi-Linear feed-forward blocks: the SwiGLU MLP and the sigmoid-routed mixture of experts.
+
+Routing (``KimiMoE.route``), per token, in float32:
+
+* scores = sigmoid(x @ gate); the choice adds ``e_score_correction_bias`` (it only picks experts,
+  it never weights them);
+* grouped top-k: experts split into ``num_expert_group`` groups, a group's rank is the sum of its
+  two best choices, only the best ``topk_group`` groups stay eligible; then the top
+  ``num_experts_per_token`` eligible experts;
+* weights are the chosen experts' plain scores, renormalised to sum to one when
+  ``moe_renormalize`` (+1e-20, as the reference does), then times ``routed_scaling_factor``.
+
+Experts run as grouped matmuls (``lax.ragged_dot``) over the token-expert assignments sorted by
+expert, so the work is tokens x top-k, never tokens x experts; shapes stay static. Shared experts
+run on every token and add. Weight layouts: ``gate [D, E]`` (float32), ``w1, w3 [E, D, F]``,
+``w2 [E, F, D]``, MLP ``gate_proj, up_proj [D, F]``, ``down_proj [F, D]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tokenspeed_jax.models.layers import linear, normal_param
+
+ROUTER_EPS = 1e-20  # added to the renormalisation denominator, as in the reference router
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype: Any, param_dtype: Any,
+                 rngs: nnx.Rngs) -> None:
+        self.gate_proj = normal_param(rngs, (hidden, intermediate), param_dtype)
+        self.up_proj = normal_param(rngs, (hidden, intermediate), param_dtype)
+        self.down_proj = normal_param(rngs, (intermediate, hidden), param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = linear("...D,DF->...F", x, self.gate_proj, self.dtype)
+        up = linear("...D,DF->...F", x, self.up_proj, self.dtype)
+        return linear("...F,FD->...D", nnx.silu(gate) * up, self.down_proj, self.dtype)
+
+
+class KimiMoE(nnx.Module):
+    """Routed experts plus shared experts; see the module docstring for the routing rule."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        num_groups: int,
+        topk_groups: int,
+        num_shared: int,
+        renormalize: bool,
+        scaling: float,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if num_experts % num_groups:
+            raise ValueError(f"num_experts={num_experts} must be a multiple of "
+                             f"num_expert_group={num_groups}")
+        if not 1 <= topk_groups <= num_groups:
+            raise ValueError(f"topk_group={topk_groups} must be in [1, {num_groups}]")
+        if top_k > (num_experts // num_groups) * topk_groups:
+            raise ValueError(f"num_experts_per_token={top_k} exceeds the experts of "
+                             f"{topk_groups} group(s) of {num_experts // num_groups}")
+        self.gate = normal_param(rngs, (hidden, num_experts), jnp.float32)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        self.w1 = normal_param(rngs, (num_experts, hidden, intermediate), param_dtype)
+        self.w3 = normal_param(rngs, (num_experts, hidden, intermediate), param_dtype)
+        self.w2 = normal_param(rngs, (num_experts, intermediate, hidden), param_dtype)
+        self.shared_experts = SwiGLU(hidden, intermediate * num_shared, dtype=dtype,
+                                     param_dtype=param_dtype, rngs=rngs)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.renormalize = renormalize
+        self.scaling = scaling
+        self.dtype = dtype
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (expert ids int32 [T, k], float32 weights [T, k])."""
+        logits = jnp.einsum("TD,DE->TE", x.astype(jnp.float32), self.gate[...],
+                            precision=jax.lax.Precision.HIGHEST)
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias[...]
+        if self.num_groups > 1:
+            per_group = choice.reshape(choice.shape[0], self.num_groups, -1)
+            group_rank = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)
+            _, best_groups = jax.lax.top_k(group_rank, self.topk_groups)
+            keep = jnp.zeros(group_rank.shape, bool).at[
+                jnp.arange(group_rank.shape[0])[:, None], best_groups].set(True)
+            keep = jnp.repeat(keep, self.num_experts // self.num_groups, axis=-1)
+            choice = jnp.where(keep, choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.renormalize:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + ROUTER_EPS)
+        return experts.astype(jnp.int32), weights * self.scaling
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., D] -> [..., D]."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).astype(self.dtype)
+        experts, weights = self.route(x)
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        token = order // self.top_k
+        sizes = jnp.bincount(flat_experts, length=self.num_experts).astype(jnp.int32)
+        precision = jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
+        rows = jnp.take(x, token, axis=0)
+
+        def grouped(lhs: jax.Array, weight: nnx.Param) -> jax.Array:
+            return jax.lax.ragged_dot(lhs, weight[...].astype(self.dtype), sizes,
+                                      precision=precision)
+
+        hidden = nnx.silu(grouped(rows, self.w1)) * grouped(rows, self.w3)
+        out = grouped(hidden, self.w2).astype(jnp.float32)
+        out = out * jnp.take(weights.reshape(-1), order)[:, None]
+        routed = jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+        return (routed.astype(self.dtype) + self.shared_experts(x)).reshape(shape)
