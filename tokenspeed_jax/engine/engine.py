@@ -275,6 +275,9 @@ def _join(prompt_ids: list[int], outputs: list[RequestOutput]) -> Completion:
 # The CPU backend's "device memory" is host RAM shared with everything else on the machine, so
 # the KV cache there takes only this share of what is free (times mem_fraction).
 CPU_MEMORY_SHARE = 0.1
+# Free memory moves a little between starts; the page count is a compiled shape, so it is rounded
+# down to this many pages to keep it (and the executable cache's keys) the same across restarts.
+KV_PAGE_ROUNDING = 256
 
 
 def kv_page_bytes(model_config: Any, page_size: int, dtype: Any) -> int:
@@ -311,6 +314,8 @@ def num_kv_pages(config: EngineConfig, page_bytes: int) -> int:
     per_sequence = math.ceil(config.max_model_len / config.page_size)
     free, _ = free_device_bytes()
     affordable = int(free * config.mem_fraction) // page_bytes
+    if affordable >= KV_PAGE_ROUNDING:
+        affordable = max(affordable // KV_PAGE_ROUNDING * KV_PAGE_ROUNDING, per_sequence)
     if affordable < per_sequence:
         raise ValueError(
             f"{free / 2**30:.2f} GiB free x mem_fraction={config.mem_fraction} holds "
