@@ -52,8 +52,6 @@ class LLM:
         """Complete each prompt; ``params`` is one for all or one per prompt."""
         prompt_ids = [self._encode(p) for p in _as_prompt_list(prompts)]
         per_prompt = _per_prompt_params(params, len(prompt_ids))
-        for ids in prompt_ids:
-            self.engine.check_prompt(ids)
         groups = self.engine.generate(list(zip(prompt_ids, per_prompt)))
         return [completion for group in groups for completion in group]
 

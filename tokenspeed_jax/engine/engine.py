@@ -151,7 +151,12 @@ class Engine:
     def generate(
         self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
     ) -> list[list[Completion]]:
-        """Run every prompt to completion; for each, its ``n`` samples in order."""
+        """Run every prompt to completion; for each, its ``n`` samples in order.
+
+        Every prompt is checked before any is admitted, so a bad one leaves nothing in flight.
+        """
+        for prompt_ids, _ in prompts:
+            self.check_prompt(prompt_ids)
         ids = []
         for i, (prompt_ids, params) in enumerate(prompts):
             children = [f"generate-{id(self)}-{i}-{j}" for j in range(params.n)]
