@@ -9,8 +9,9 @@ a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm. Each
 Timings: prefill at T = 2048, 8192, 32768 (one sequence) and 16 x 1024 packed; decode at batch
 1, 64, 256. Our decode runs many steps inside one compiled program (as in the engine), so it pays
 no per-call dispatch; fla's numbers are `triton.testing.do_bench` medians of its Python call.
-Variants of our prefill (other ChunkConfig settings, the row-by-row per-chunk kernel) are timed
-at T=8192, and 32 x 1024 packed beside T=32768 shows what the serial state scan costs.
+Variants of our prefill (other ChunkConfig settings) are timed at T=8192, with the time of each
+stage alone (inputs to chunks, per-chunk kernel, state scan); 32 x 1024 packed beside T=32768
+shows what the serial state scan costs.
 Items run most important first; once --budget-s has passed, the rest are logged as skipped, so a
 run under a hard time limit still ends with its table. Every result is printed as a JSON line and
 appended to DIR/bench_kda.jsonl as it comes.
@@ -36,11 +37,12 @@ PREFILL_CASES = {"T=2048": [2048], "T=8192": [8192], "T=32768": [32768], "16x102
 SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parallel
 DECODE_BATCHES = (1, 64, 256)
 VARIANTS = {  # our prefill under other settings, timed at T=8192
-    "pallas-blocked": kda.ChunkConfig(intra="blocked", key_split=16, intra_num_warps=4),
-    "pallas-blocked-warps8": kda.ChunkConfig(intra="blocked", key_split=16),
-    "pallas-block_v16": kda.ChunkConfig(block_v=16),
-    "pallas-warps4": kda.ChunkConfig(intra_num_warps=4),
+    "pallas-key_split128": kda.ChunkConfig(key_split=128),
+    "pallas-key_split64": kda.ChunkConfig(key_split=64),
+    "pallas-intra_warps4": kda.ChunkConfig(intra_num_warps=4),
+    "pallas-block_v64": kda.ChunkConfig(block_v=64),
 }
+DECODE_VARIANTS = {"pallas-decode_block_v32": kda_decode.RecurrentConfig(block_v=32)}
 
 
 class Log:
@@ -198,7 +200,46 @@ def prefill_ours(lengths, config: kda.ChunkConfig | None = None, calls=5):
     return {"ms": wall_ms(run, repeats=3) / calls}
 
 
-def decode_ours(batch, steps=100):
+def prefill_stages(lengths, calls=10):
+    """ms of each stage of our prefill alone: inputs to chunks, per-chunk kernel, state scan."""
+    config = kda.ChunkConfig()
+    num_tokens, num_requests = sum(lengths), len(lengths)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    q, k, v, g, beta = random_inputs(jax.random.key(6), num_tokens, H, H, jnp.bfloat16)
+    num_chunks = -(-num_tokens // kda_ref.CHUNK_SIZE) + num_requests
+
+    @jax.jit
+    def to_chunks(q, k, v, g, beta):
+        q, k, g = kda_ref.prepare_qkg(q, k, g, use_qk_l2norm_in_kernel=True,
+                                      use_gate_in_kernel=False, A_log=None, dt_bias=None)
+        token_of_row, first_chunk, _ = kda._chunk_layout(cu, num_tokens, num_chunks)
+        return [kda._to_chunks(x, token_of_row) for x in (q, k, v, g, beta)], first_chunk
+
+    intra = jax.jit(functools.partial(kda.intra_stage, group=1, scale=K**-0.5, config=config,
+                                      interpret=False))
+    scan = jax.jit(functools.partial(kda.scan_stage, out_dtype=jnp.bfloat16, config=config,
+                                     interpret=False))
+    chunks, first_chunk = to_chunks(q, k, v, g, beta)
+    intra_out = intra(*chunks)
+    slots = jnp.arange(num_requests, dtype=jnp.int32)
+    table = kda._request_table(cu, first_chunk, slots, None, None)
+    pool = jnp.zeros((num_requests, H, K, V), jnp.float32)
+    stages = {"chunks": lambda: to_chunks(q, k, v, g, beta), "intra": lambda: intra(*chunks),
+              "scan": lambda: scan(table, *intra_out, pool)}
+
+    def repeated(stage):
+        def run():
+            for _ in range(calls):
+                out = stage()
+            jax.block_until_ready(out)
+        return run
+
+    return {f"{name}_ms": wall_ms(repeated(stage), repeats=3) / calls
+            for name, stage in stages.items()}
+
+
+def decode_ours(batch, config: kda_decode.RecurrentConfig | None = None, steps=100):
+    config = config or kda_decode.RecurrentConfig()
     q, k, v, g, beta = random_inputs(jax.random.key(7), batch, H, H, jnp.bfloat16)
     slots = jnp.arange(batch, dtype=jnp.int32)
 
@@ -206,7 +247,7 @@ def decode_ours(batch, steps=100):
     def many_steps(pool):
         def step(_, pool):
             return kda_decode.kda_decode(q, k, v, g, beta, pool, slots,
-                                         use_qk_l2norm_in_kernel=True)[1]
+                                         use_qk_l2norm_in_kernel=True, config=config)[1]
 
         return jax.lax.fori_loop(0, steps, step, pool)
 
@@ -266,9 +307,13 @@ def plan(with_fla: bool):
     if with_fla:
         items += timings("fla", prefill_fla, decode_fla, PREFILL_CASES, DECODE_BATCHES)
     items += timings("pallas", prefill_ours, decode_ours, (), DECODE_BATCHES)
+    items.append(({"bench": "stages", "case": "T=8192", "impl": "pallas"},
+                  functools.partial(prefill_stages, PREFILL_CASES["T=8192"])))
     for impl, config in VARIANTS.items():
         items += timings(impl, functools.partial(prefill_ours, config=config), None,
                          ("T=8192",), ())
+    for impl, config in DECODE_VARIANTS.items():
+        items += timings(impl, None, functools.partial(decode_ours, config=config), (), (64,))
     items += timings("pallas", prefill_ours, None, SCAN_CASE, ())
     items += checks(["chunk"], [jnp.float32])
     items += checks(["recurrent", "decode"], [jnp.bfloat16, jnp.float32])

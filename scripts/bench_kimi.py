@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.kimi_runner import KimiRunner, KimiStepRequest
+from tokenspeed_jax.engine.batch import StepRequest
+from tokenspeed_jax.engine.kimi_runner import KimiRunner
 from tokenspeed_jax.models.kimi_linear import KDA, MLA, KimiLinearConfig, KimiLinearForCausalLM
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -39,10 +40,10 @@ def model_config(layers: int) -> KimiLinearConfig:
         topk_group=1, routed_scaling_factor=2.446)
 
 
-def requests(count: int, length: int, start: int, pages_each: int) -> list[KimiStepRequest]:
+def requests(count: int, length: int, start: int, pages_each: int) -> list[StepRequest]:
     rng = np.random.default_rng(0)
     return [
-        KimiStepRequest(f"r{i}", rng.integers(0, 163840, length).astype(np.int32), start,
+        StepRequest(f"r{i}", rng.integers(0, 163840, length).astype(np.int32), start,
                         np.arange(i * pages_each, (i + 1) * pages_each, dtype=np.int32), True,
                         SamplingParams(temperature=0.0), state_slot=i)
         for i in range(count)

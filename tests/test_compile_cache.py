@@ -24,11 +24,13 @@ from tokenspeed_jax.graph.cache import SUFFIX, ExecutableCache, package_source_h
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-# Distinct executables of the tiny runner below: embed+qkv, out+qkv, out (token bucket 16); an
-# attention break per context bucket (0, 128); per request bucket (1, 2): narrow, head, penalized
-# head, decode.
-NUM_EXECUTABLES = 3 + 2 + 4 * 2
-NUM_NARROW = 2  # narrow reads only its arguments: no model state in its key
+# Distinct executables of the tiny runner below: embed+qkv, out+qkv, out and the attention break
+# (token bucket 16); per request bucket (1, 2): narrow, head, decode, resample, penalized
+# resample.
+NUM_EXECUTABLES = 4 + 5 * 2
+# Narrow and the resample plans read only their arguments: no model state in their keys.
+NUM_STATELESS = 2 + 2 * 2
+NEW_DECODE_BUCKET = 3  # decode, resample and penalized resample of one more decode bucket
 
 
 def child(options: dict) -> None:
@@ -208,8 +210,8 @@ def test_changed_bucket_list_compiles_only_the_new_bucket(cold, tmp_path):
         result = start(directory, decode=(1, 2, 4))
         if not same_code(first, result):
             return first, result
-        assert result["executables"] == NUM_EXECUTABLES + 1
-        assert result["backend_compiles"] == 1 and result["compiled"] == 1
+        assert result["executables"] == NUM_EXECUTABLES + NEW_DECODE_BUCKET
+        assert result["backend_compiles"] == result["compiled"] == NEW_DECODE_BUCKET
         assert result["loaded"] == NUM_EXECUTABLES
         return first, result
 
@@ -222,10 +224,10 @@ def test_changed_model_config_misses_only_entries_that_read_it(cold, tmp_path):
         result = start(directory, eps=1e-6)
         if not same_code(first, result):
             return first, result
-        assert result["backend_compiles"] == result["compiled"] == NUM_EXECUTABLES - NUM_NARROW
-        assert result["loaded"] == NUM_NARROW
+        assert result["backend_compiles"] == result["compiled"] == NUM_EXECUTABLES - NUM_STATELESS
+        assert result["loaded"] == NUM_STATELESS
         # the first model's entries are kept beside the new ones
-        assert len(list(directory.glob(f"*{SUFFIX}"))) == 2 * NUM_EXECUTABLES - NUM_NARROW
+        assert len(list(directory.glob(f"*{SUFFIX}"))) == 2 * NUM_EXECUTABLES - NUM_STATELESS
         return first, result
 
     retried(body)
@@ -262,8 +264,9 @@ def test_cli_lists_verifies_and_clears(cold, tmp_path, capsys):
     assert cache_cli.main(["list", "--dir", str(directory)]) == 0
     listing = capsys.readouterr().out
     assert f"{NUM_EXECUTABLES} entries" in listing
-    for segment, bucket in (("embed+qkv", "prefill T=16 C=0"), ("decode", "decode B=2"),
-                            ("narrow", "narrow T=16 B=2"), ("sample", "head B=1")):
+    for segment, bucket in (("embed+qkv", "prefill T=16"), ("decode", "decode B=2"),
+                            ("narrow", "narrow T=16 B=2"), ("head", "head B=1"),
+                            ("sample", "resample B=2")):
         assert any(segment in line and bucket in line for line in listing.splitlines())
     assert cache_cli.main(["verify", "--dir", str(directory)]) == 0
     assert f"{NUM_EXECUTABLES} ok, 0 bad" in capsys.readouterr().out

@@ -161,18 +161,22 @@ def test_prefill_checkpoints_at_several_granularities(ragged_batch):
     np.testing.assert_array_equal(new_pool[[6, 8]], np.asarray(pool)[[6, 8]])
 
 
-def test_unit_lower_inverse_matches_numpy():
+@pytest.mark.parametrize("nilpotency", [4, 16])
+def test_nilpotent_inverse_matches_numpy(nilpotency):
     rng = np.random.default_rng(7)
-    strict = np.tril(rng.uniform(-1.0, 1.0, (16, 16)), -1).astype(np.float32)
-    got = kda_intra.unit_lower_inverse(jnp.asarray(strict))
-    expected = np.linalg.inv(np.eye(16) + strict.astype(np.float64))
+    strict = np.tril(rng.uniform(-1.0, 1.0, (16, 16)), -1)
+    if nilpotency == 4:  # strictly lower in 4 x 4 blocks: N^4 = 0
+        strict *= np.kron(np.tril(np.ones((4, 4)), -1), np.ones((4, 4)))
+    got = kda_intra.nilpotent_inverse(jnp.asarray(strict, jnp.float32), nilpotency,
+                                      jax.lax.Precision.HIGHEST)
+    expected = np.linalg.inv(np.eye(16) + strict)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("intra", ["blocked", "substitution"])
-def test_per_chunk_variants_match_reference_with_split_keys(intra):
+@pytest.mark.parametrize("key_split", [16, 32])
+def test_per_chunk_kernel_matches_reference_with_split_keys(key_split):
     rng = np.random.default_rng(8)
-    wide = 32  # two key slices of 16 in the exact in-sub-block products
+    wide = 32  # one or two key slices in the per-chunk kernel's loop
     cu = np.array([0, 70, 200], np.int32)
     q = rng.standard_normal((200, 1, wide)).astype(np.float32)
     k = rng.standard_normal((200, 1, wide)).astype(np.float32)
@@ -186,7 +190,7 @@ def test_per_chunk_variants_match_reference_with_split_keys(intra):
     o_ref, s_ref = reference(inputs, cu, pool)
     o, new_pool = kda.chunk_kda_prefill(
         *inputs, pool, jnp.array([0, 1], jnp.int32), jnp.asarray(cu), interpret=True,
-        config=kda.ChunkConfig(key_split=16, intra=intra))
+        config=kda.ChunkConfig(key_split=key_split))
     assert rel_err(o, o_ref) < 1e-4
     np.testing.assert_allclose(new_pool, s_ref, rtol=1e-4, atol=1e-4)
 

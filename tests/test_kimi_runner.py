@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.kimi_runner import KimiRunner, KimiStepRequest, checkpoint_split
+from tokenspeed_jax.engine.batch import StepRequest
+from tokenspeed_jax.engine.kimi_runner import KimiRunner, checkpoint_split
 from tokenspeed_jax.graph import choose_bucket
 from tokenspeed_jax.models.loader import load_checkpoint
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -36,9 +37,9 @@ def runner():
 
 
 def request(rid: str, tokens: np.ndarray, start: int, first_page: int, slot: int,
-            checkpoint: int = -1) -> KimiStepRequest:
+            checkpoint: int = -1) -> StepRequest:
     pages = np.arange(first_page, first_page + 8, dtype=np.int32)
-    return KimiStepRequest(rid, tokens.astype(np.int32), start, pages, True,
+    return StepRequest(rid, tokens.astype(np.int32), start, pages, True,
                            SamplingParams(temperature=0.0), state_slot=slot,
                            checkpoint_slot=checkpoint)
 
@@ -156,6 +157,32 @@ def test_checkpoint_split_of_two_extends_at_granularity_128():
     assert choose_bucket((1024, 2048), 868 + 869) == 2048
     assert checkpoint_split(128, 100, 128) == 0
     assert checkpoint_split(64, 200, 128) == 192
+
+
+def test_two_extends_of_868_and_869_tokens_share_the_2048_by_2_executable():
+    """TokenSpeed's example through the runner's host side: the route, the executable's bucket
+    and the KDA metadata that goes in (main scans 768 + 768, tails 100 + 101)."""
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    config = EngineConfig(
+        prefill_graph_capture_token_sizes=(1024, 2048), prefill_graph_max_tokens=2048,
+        prefill_graph_capture_batch_sizes=(1, 2), prefill_graph_max_bs=2,
+        decode_graph_capture_batch_sizes=(2,), max_model_len=1024, prefix_granularity=128,
+        compile_progress=False)
+    runner = KimiRunner(checkpoint.model, config, num_pages=128, num_state_slots=4,
+                        page_size=PAGE)
+    rng = np.random.default_rng(5)
+    batch = [StepRequest(f"r{i}", rng.integers(3, 256, n).astype(np.int32), 0,
+                         np.arange(64 * i, 64 * i + 64, dtype=np.int32), True,
+                         SamplingParams(temperature=0.0), state_slot=i, checkpoint_slot=2 + i)
+             for i, n in enumerate((868, 869))]
+    assert runner.route(batch) == "inline"
+    assert runner.bucket("inline", batch) == (2048, 2)
+    inputs, _, _ = runner.step_arrays(batch, 2048, 2)
+    np.testing.assert_array_equal(inputs["cu_seqlens"], [0, 868, 868 + 869])
+    np.testing.assert_array_equal(inputs["checkpoint_offsets"], [768, 768])
+    np.testing.assert_array_equal(inputs["checkpoint_slots"], [2, 3])
+    tails = np.diff(inputs["cu_seqlens"]) - inputs["checkpoint_offsets"]
+    np.testing.assert_array_equal(tails, [100, 101])
 
 
 def test_disable_switch_compiles_only_the_ordinary_route():

@@ -18,9 +18,10 @@ from flax import nnx
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine import model_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.model_runner import ModelRunner, context_ladder, split_requests
+from tokenspeed_jax.engine.model_runner import ModelRunner, split_requests
 from tokenspeed_jax.graph import CompileError
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, DecodeKernel
+from tokenspeed_jax.kernels.paged_prefill_attention import PrefillBlocks, PrefillKernel
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -139,7 +140,6 @@ def test_buckets_come_from_the_config(runner):
     assert runner.buckets.tokens == (16, 32)
     assert runner.buckets.prefill_requests == (1, 2)
     assert runner.buckets.decode_requests == (1, 2)
-    assert runner.buckets.contexts == (0, 2 * MAX_LEN)  # fresh prompts, then 2 full contexts
 
 
 @pytest.mark.parametrize("lengths", [(5,), (16,), (23,), (7, 9), (3, 29)])
@@ -223,7 +223,7 @@ def test_kv_cache_is_donated_not_copied(runner):
     table = Pages(50).take(4)
     runner.step(StepBatch([request("z", [1, 2, 3], 0, table)]))
     assert old.is_deleted()
-    attention = runner.encoder(16, 0).calls[1]
+    attention = runner.encoder(16).calls[1]
     assert attention.name == "attention"
     cache_bytes = 2 * old.size * old.dtype.itemsize
     assert attention.executable.memory_analysis().alias_size_in_bytes >= cache_bytes
@@ -314,6 +314,23 @@ def word_tokenizer() -> Tokenizer:
     return Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")))
 
 
+def run_steps(runner, prompt_list, params_list, steps):
+    """Prefill then ``steps - 1`` decode steps of each (prompt, params); each request's tokens."""
+    pages = Pages()
+    tables = [pages.take(len(p) + steps) for p in prompt_list]
+    outputs: list[list[int]] = [[] for _ in prompt_list]
+    for step in range(steps):
+        batch = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            seq = [*prompt, *outputs[i]]
+            start = 0 if step == 0 else len(seq) - 1
+            batch.append(StepRequest(str(i), np.asarray(seq[start:], np.int32), start, tables[i],
+                                     True, params, list(outputs[i])))
+        for i, token in enumerate(runner.step(StepBatch(batch)).token_ids.tolist()):
+            outputs[i].append(token)
+    return outputs
+
+
 @pytest.mark.parametrize("penalties", [
     {"repetition_penalty": 1.8},
     {"frequency_penalty": 1.5, "presence_penalty": 0.7},
@@ -332,24 +349,35 @@ def test_penalties_match_reference_generator(model, runner, penalties):
     assert unpenalized != expected[0]  # the penalty changes this request's tokens
 
     before = runner.stats()
-    pages = Pages()
-    tables = [pages.take(len(p) + steps) for p in prompt_list]
-    outputs: list[list[int]] = [[], []]
-    for step in range(steps):
-        batch = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, (penalized_params, plain_params))):
-            seq = [*prompt, *outputs[i]]
-            start = 0 if step == 0 else len(seq) - 1
-            batch.append(StepRequest(str(i), np.asarray(seq[start:], np.int32), start, tables[i],
-                                     True, params, list(outputs[i])))
-        out = runner.step(StepBatch(batch))
-        for i, token in enumerate(out.token_ids.tolist()):
-            outputs[i].append(token)
-    assert outputs == expected
+    assert run_steps(runner, prompt_list, [penalized_params, plain_params], steps) == expected
     after = runner.stats()
-    assert after["penalized_head_runs"] == before["penalized_head_runs"] + steps
-    assert after["decode_graph_runs"] == before["decode_graph_runs"]
+    # Every step (the prefill's head, then each decode step) resamples its logits.
+    assert after["decode_graph_runs"] == before["decode_graph_runs"] + steps - 1
+    assert after["resample_runs"] == before["resample_runs"] + steps
     assert after["runtime_compiles"] == 0 and after["eager_runs"] == before["eager_runs"]
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["in-step", "resampled"])
+def test_sampling_tiers_match_reference_generator(model, runner, truncated):
+    """Seeded sampling beside greedy rows, prefill then decode: the same tokens as
+    ReferenceGenerator (the full sampler on a dense cache). Without top-k/top-p the in-step
+    sampler serves every step (no resample); with them every step resamples the logits."""
+    steps = 5
+    sampled = {"temperature": 0.8, "max_tokens": steps, "seed": 11}
+    if truncated:
+        sampled.update({"top_k": 7, "top_p": 0.9})
+    params_list = [SamplingParams(temperature=0.0, max_tokens=steps), SamplingParams(**sampled),
+                   SamplingParams(**{**sampled, "seed": 12, "min_p": 0.05})]
+    prompt_list = prompts(5, 6, 9, 14)
+    expected = [c.token_ids for c in ReferenceGenerator(model, word_tokenizer()).generate(
+        prompt_list, params_list)]
+    before = runner.stats()
+    assert run_steps(runner, prompt_list, params_list, steps) == expected
+    after = runner.stats()
+    runs = sum(after[k] - before[k] for k in ("prefill_graph_runs", "decode_graph_runs"))
+    assert runs >= steps  # every group of every step has a truncating request
+    assert after["resample_runs"] - before["resample_runs"] == (runs if truncated else 0)
+    assert after["runtime_compiles"] == 0
 
 
 def test_pallas_decode_kernel_in_the_runner_matches_reference(model, monkeypatch):
@@ -369,7 +397,39 @@ def test_pallas_decode_kernel_in_the_runner_matches_reference(model, monkeypatch
         runner.guard.disarm()
 
 
-def test_context_ladder_grows_by_four_up_to_the_top():
-    assert context_ladder(0) == (0,)
-    assert context_ladder(100) == (0, 100)
-    assert context_ladder(5000) == (0, 256, 1024, 4096, 5000)
+def test_long_cached_context_runs_on_the_token_bucket_graph(model, runner):
+    """A prefix of 48 cached tokens (most of MAX_LEN) and 9 new ones: the same executable as a
+    fresh prompt of 9 tokens, no compile, and the reference forward's token."""
+    pages = Pages()
+    (prompt,) = prompts(41, 48)
+    table = pages.take(60)  # "a" holds the first 12 pages, "b" shares them and adds 3
+    runner.step(StepBatch([request("a", prompt[:32], 0, table[:12])]))
+    runner.step(StepBatch([request("a", prompt[32:], 32, table[:12])]))
+    before = runner.stats()
+    suffix = prompts(42, 9)[0]
+    out = runner.step(StepBatch([request("b", suffix, 48, table[:15])]))
+    check(model, runner, out.token_ids[0], out.logprobs[0], [*prompt, *suffix], table[:15])
+    after = runner.stats()
+    assert after["prefill_graph_runs"] == before["prefill_graph_runs"] + 1
+    assert after["runtime_compiles"] == 0 and after["eager_runs"] == before["eager_runs"]
+
+
+def test_pallas_prefill_kernel_in_the_runner_matches_reference(model, monkeypatch):
+    """The encoder built on the ragged paged prefill kernel (interpreted on the CPU): one
+    executable per token bucket, and fresh, chunked (cached context) and mixed steps give the
+    reference forward's tokens."""
+    kernel = PrefillKernel(PALLAS, PrefillBlocks(block_q=16, pages_per_block=2), interpret=True)
+    monkeypatch.setattr(model_runner, "choose_prefill_kernel", lambda **_: kernel)
+    config = dataclasses.replace(ENGINE, prefill_graph_capture_token_sizes=(16,))
+    runner = ModelRunner(model, config, 64, PAGE)
+    assert runner.prefill_kernel == kernel
+    summary = runner.compile_all()
+    encoders = {label for label in summary.seconds_per_label if label.startswith("prefill")}
+    assert encoders == {f"prefill T={tokens}" for tokens in runner.buckets.tokens}
+    try:
+        generate(model, runner, Pages(), prompts(72, 45, 5), steps=2)  # 50 tokens: 2 chunks
+        stats = runner.stats()
+        assert stats["prefill_graph_runs"] == 2 and stats["chunked_prefill_splits"] == 1
+        assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
+    finally:
+        runner.guard.disarm()

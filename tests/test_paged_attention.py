@@ -11,11 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenspeed_jax.kernels.attention import (
-    paged_decode_attention,
-    paged_prefill_attention,
-    write_kv,
-)
+from tokenspeed_jax.kernels.attention import paged_decode_attention, write_kv
 from tokenspeed_jax.kernels.attention_ref import masked_attention
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
@@ -76,40 +72,6 @@ def test_decode_matches_dense_attention(kernel, num_q_heads, num_kv_heads):
                                                                 positions),
                                rtol=2e-5, atol=2e-5)
     assert not np.any(np.asarray(out)[3])
-
-
-def test_prefill_reads_own_tokens_and_own_context_only():
-    """Two requests in one packed step: 'a' has 5 cached positions and 3 new tokens, 'b' is fresh
-    with 4 tokens; one padding token; each query must see only its own request."""
-    rng = np.random.default_rng(0)
-    num_q_heads, num_kv_heads, head_dim = 4, 2, 8
-    k_pages, v_pages = cache(rng, num_kv_heads, head_dim)
-    table_a, table_b = np.array([3, 5], np.int32), np.array([7, 8], np.int32)
-    token_request = np.array([0, 0, 0, 1, 1, 1, 1, -1], np.int32)
-    positions = np.array([5, 6, 7, 0, 1, 2, 3, -1], np.int32)
-    k_new = rng.standard_normal((8, num_kv_heads, head_dim)).astype(np.float32)
-    v_new = rng.standard_normal((8, num_kv_heads, head_dim)).astype(np.float32)
-    slot_of = [table_a, table_b]
-    slots = np.array([slot_of[r][p // PAGE] * PAGE + p % PAGE if r >= 0 else -1
-                      for r, p in zip(token_request, positions)], np.int32)
-    k_pages = write_kv(k_pages, jnp.asarray(k_new), jnp.asarray(slots))
-    v_pages = write_kv(v_pages, jnp.asarray(v_new), jnp.asarray(slots))
-    context_slots = np.array([table_a[p // PAGE] * PAGE + p % PAGE for p in range(5)] + [0, 0],
-                             np.int32)
-    context_request = np.array([0] * 5 + [-1, -1], np.int32)
-    q = rng.standard_normal((8, num_q_heads, head_dim)).astype(np.float32)
-    out = np.asarray(paged_prefill_attention(
-        jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), k_pages, v_pages,
-        jnp.asarray(token_request), jnp.asarray(positions), jnp.asarray(context_slots),
-        jnp.asarray(context_request), scale=SCALE))
-    for t, (r, p) in enumerate(zip(token_request, positions)):
-        if r < 0:
-            assert not np.any(out[t])
-            continue
-        k = dense_context(k_pages, slot_of[r], p + 1)[None]
-        v = dense_context(v_pages, slot_of[r], p + 1)[None]
-        want = masked_attention(q[t][None, None], k, v, np.ones((1, 1, p + 1), bool), scale=SCALE)
-        np.testing.assert_allclose(out[t], np.asarray(want)[0, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_write_kv_drops_padding_slots():

@@ -2,7 +2,8 @@
 
 ``LLM(model, **options)`` builds the same engine the server runs (segmented plans compiled at
 start-up, continuous batching over a paged KV cache); ``options`` are ``EngineConfig`` fields.
-``llm.reference`` is the plain dense-cache generator every fast path is tested against.
+``llm.reference`` is the plain dense-cache generator every fast path is tested against;
+``llm.config`` is the configuration as run (``build_engine`` may clamp or turn off settings).
 
 Invariants: ``LLM(None)`` is the embedded default model (SmolLM2-135M-Instruct); a prompt is a
 string (tokenized without extra special tokens, as the model's own tokenizer would) or a list of
@@ -20,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import build_engine
+from tokenspeed_jax.engine.engine import build_engine, is_hybrid
+from tokenspeed_jax.hybrid_reference import HybridReferenceGenerator
 from tokenspeed_jax.outputs import Completion
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -35,6 +37,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **options: Any) -> None:
         self.config = EngineConfig(model=None if model is None else os.fspath(model), **options)
         bundle = build_engine(self.config)
+        self.config = bundle.config
         self.engine = bundle.engine
         self.runner = bundle.runner
         self.compile_summary = bundle.compile_summary
@@ -42,7 +45,8 @@ class LLM:
         self.model = bundle.loaded.model
         self.tokenizer = bundle.loaded.tokenizer
         self.model_path = bundle.loaded.path
-        self.reference = ReferenceGenerator(self.model, self.tokenizer)
+        generator = HybridReferenceGenerator if is_hybrid(bundle.loaded.config) else ReferenceGenerator
+        self.reference = generator(self.model, self.tokenizer)
 
     def generate(
         self,

@@ -20,12 +20,31 @@ projection is computed N times, the cache costs Hkv heads per device instead of 
 the choice vLLM makes (it replicates KV heads up to N); it needs N to be a multiple of Hkv so
 that each device's query heads read whole KV heads. Any other split is a ValueError.
 
+Layout of Kimi Linear (``kimi_param_spec``):
+
+* KDA layers, split by head: ``{q,k,v}_proj [D, H, K]``, ``f_b_proj``/``g_b_proj [K, H, K]``,
+  ``dt_bias [H, K]``, ``A_log [H]``, ``b_proj [D, H]``, the depthwise ``{q,k,v}_conv [H K, W]``
+  (head-major rows) and ``o_proj [H, K, D]`` (row parallel); the low-rank ``f_a_proj``,
+  ``g_a_proj`` and ``o_norm`` are replicated. The state pool ``[P, H, K, V]`` is split by head,
+  the conv pool ``[P, W - 1, 3 H K]`` over its channels, which are head-major (``[H, 3, K]``), so
+  each device holds its own heads' q, k and v windows.
+* MLA layers, split by head: ``q_proj``/``q_b_proj [., H, n + r]``, ``kv_b_proj [R, H, n + v]``,
+  ``o_proj [H, v, D]``; ``q_a_proj``, ``kv_a_proj`` and the low-rank norms are replicated. The
+  latent cache ``[pages, page_size, R + r]`` is one head shared by every query head, so it is
+  *replicated*: each device writes the same rows and reads them for its own heads (no collective
+  in attention; the cache costs its full size on each device, as in MLA serving engines).
+* MoE, expert parallel: ``w1``/``w3 [E, D, F]`` and ``w2 [E, F, D]`` split over the experts; the
+  router (``gate``, ``e_score_correction_bias``) is replicated, so every device makes the same
+  routing choice, runs the token-expert pairs of its own experts and one all-reduce sums them
+  (``moe.KimiMoE``, under ``jax.shard_map``). Shared experts and the dense MLP are column/row
+  parallel like the Llama MLP.
+
 Invariants: ``make_mesh(1)`` is None and nothing is sharded (single-device programs unchanged);
-``make_mesh`` and ``check_llama`` raise ValueError naming the values for an impossible split;
-``llama_param_spec`` knows every Llama parameter by name and refuses an unknown one, so a new
-parameter cannot silently stay replicated. Pallas kernels cannot be partitioned by XLA: a stage
-that calls one must run it per shard through ``jax.shard_map`` over ``AXIS`` (the Llama family's
-attention is plain JAX and is partitioned by XLA).
+``make_mesh``, ``check_llama`` and ``check_kimi`` raise ValueError naming the values for an
+impossible split; ``llama_param_spec`` and ``kimi_param_spec`` know every parameter by name and
+refuse an unknown one, so a new parameter cannot silently stay replicated. Pallas kernels cannot
+be partitioned by XLA: a stage that calls one runs it per shard through ``jax.shard_map`` over
+``AXIS`` with the specs of ``head_spec`` (the KDA kernels, the Pallas paged decode attention).
 """
 
 from __future__ import annotations
@@ -137,7 +156,10 @@ def kv_cache_sharding(config: Any, mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_shards(config: Any, size: int) -> int:
-    """How many devices the KV cache is split over: each device holds 1/this of it."""
+    """How many devices the KV cache is split over: each device holds 1/this of it (a Kimi
+    Linear latent cache is replicated)."""
+    if is_kimi(config):
+        return 1
     return size if kv_heads_sharded(config, size) else 1
 
 
@@ -149,18 +171,104 @@ def attention_value_shardings(config: Any, mesh: Mesh) -> dict[str, NamedShardin
     return {"q": heads, "attn": heads, "k": kv, "v": kv}
 
 
+def is_kimi(config: Any) -> bool:
+    return getattr(config, "model_type", None) == "kimi_linear"
+
+
+def head_spec(ndim: int, axis: int = 1) -> PartitionSpec:
+    """A spec splitting dimension ``axis`` of an ``ndim``-d array over ``AXIS`` (the head axis of
+    ``[T, H, ...]`` activations by default)."""
+    return PartitionSpec(*(AXIS if i == axis else None for i in range(ndim)))
+
+
+def check_kimi(config: Any, size: int) -> None:
+    """ValueError naming the numbers when a Kimi Linear ``config`` cannot be split ``size`` ways."""
+    counts = {"num_attention_heads": config.num_attention_heads,
+              "linear_num_heads": config.linear_num_heads}
+    if config.first_k_dense_replace:
+        counts["intermediate_size"] = config.intermediate_size
+    if config.first_k_dense_replace < config.num_hidden_layers:
+        counts["num_experts"] = config.num_experts
+        counts["moe_intermediate_size * num_shared_experts"] = (
+            config.moe_intermediate_size * config.num_shared_experts)
+    for name, count in counts.items():
+        if count % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide {name}={count}")
+
+
+def check_model(config: Any, size: int) -> None:
+    """``check_kimi`` or ``check_llama``, by the model family of ``config``."""
+    (check_kimi if is_kimi(config) else check_llama)(config, size)
+
+
+def kimi_param_spec(name: str, config: Any, size: int) -> PartitionSpec:
+    """The partition spec of the Kimi Linear parameter called ``name`` (module docstring)."""
+    vocab = config.vocab_size % size == 0
+    by_head = PartitionSpec(None, AXIS, None)
+    row = PartitionSpec(AXIS, None, None)
+    specs = {
+        "embed_tokens": PartitionSpec(AXIS, None) if vocab else PartitionSpec(),
+        "lm_head": PartitionSpec(None, AXIS) if vocab else PartitionSpec(),
+        # KDA (q_proj and o_proj also name the MLA projections, with the same layout)
+        **dict.fromkeys(("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj"), by_head),
+        **dict.fromkeys(("q_conv", "k_conv", "v_conv", "dt_bias"), PartitionSpec(AXIS, None)),
+        "A_log": PartitionSpec(AXIS),
+        "b_proj": PartitionSpec(None, AXIS),
+        "o_proj": row,
+        # MLA
+        "q_b_proj": by_head,
+        "kv_b_proj": by_head,
+        # MoE: experts split, router replicated; dense MLP and shared experts like Llama's
+        **dict.fromkeys(("w1", "w2", "w3"), row),
+        "gate_proj": PartitionSpec(None, AXIS),
+        "up_proj": PartitionSpec(None, AXIS),
+        "down_proj": PartitionSpec(AXIS, None),
+        **dict.fromkeys(("f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
+                         "e_score_correction_bias", "weight"), PartitionSpec()),
+    }
+    if name not in specs:
+        raise ValueError(f"no tensor-parallel rule for Kimi Linear parameter {name!r}")
+    return specs[name]
+
+
+def param_sharding(path: Sequence[Any], config: Any, mesh: Mesh) -> NamedSharding:
+    """The NamedSharding of the parameter at ``path`` of a model of either family."""
+    rule = kimi_param_spec if is_kimi(config) else llama_param_spec
+    return NamedSharding(mesh, rule(_param_name(path), config, mesh.size))
+
+
 def place_model(model: Any, mesh: Mesh) -> None:
     """Move ``model``'s weights onto their shardings in place (a no-op for weights already
-    there, e.g. loaded with this mesh). Only the Llama family has rules so far."""
+    there, e.g. loaded with this mesh)."""
     from flax import nnx
 
-    from tokenspeed_jax.models.llama import LlamaConfig
-
-    if not isinstance(model.config, LlamaConfig):
-        raise TypeError(f"tensor_parallel_size={mesh.size}: tensor parallelism supports the "
-                         f"Llama family; {type(model.config).__name__} has no sharding rules yet")
+    check_model(model.config, mesh.size)
     state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, llama_state_shardings(state, model.config, mesh)))
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, _: param_sharding(path, model.config, mesh), state)
+    nnx.update(model, jax.device_put(state, shardings))
+
+
+def kimi_pool_sharding(name: str, mesh: Mesh) -> NamedSharding:
+    """Sharding of a Kimi runner pool: ``state.i [P, H, K, V]`` by head, ``conv.i [P, W - 1,
+    3 H K]`` over its head-major channels, ``latent.j`` replicated (module docstring)."""
+    kind = name.split(".")[0]
+    specs = {"state": head_spec(4), "conv": head_spec(3, axis=2), "latent": PartitionSpec()}
+    if kind not in specs:
+        raise ValueError(f"no tensor-parallel rule for Kimi pool {name!r}")
+    return NamedSharding(mesh, specs[kind])
+
+
+def kimi_plan_value_shardings(mesh: Mesh, pool_names: Sequence[str]
+                              ) -> dict[str, NamedSharding]:
+    """Plan value name -> sharding for a Kimi runner's plans: the per-head hand-off values
+    (KDA q, k, v, g, gate ``[T, H, K]``, beta ``[T, H]``, o ``[T, H, V]``; MLA q_lat, attn
+    ``[T, H, .]``) and every pool in ``pool_names``. The rest (hidden, latent rows) is
+    replicated."""
+    heads = NamedSharding(mesh, head_spec(3))
+    return {**dict.fromkeys(("q", "k", "v", "g", "gate", "o", "q_lat", "attn"), heads),
+            "beta": NamedSharding(mesh, head_spec(2)),
+            **{name: kimi_pool_sharding(name, mesh) for name in pool_names}}
 
 
 def plan_value_shardings(config: Any, mesh: Mesh, cache_names: Sequence[str]

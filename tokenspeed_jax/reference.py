@@ -77,6 +77,8 @@ def _declared(method: Callable[..., Any]) -> Callable[..., Any]:
 class ReferenceGenerator:
     """Greedy or sampled generation over ``model`` with a dense KV cache."""
 
+    cache_type: Any = DenseKVCache  # the model's dense cache: ``create(config, batch, len, dtype)``
+
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
         self.config = model.config
         self.tokenizer = tokenizer
@@ -107,7 +109,7 @@ class ReferenceGenerator:
         tokens[0, :n] = token_ids
         positions = np.full((1, length), -1, np.int32)
         positions[0, :n] = np.arange(n)
-        cache = DenseKVCache.create(self.config, 1, _round_up(n, CACHE_QUANTUM), self._dtype)
+        cache = self.cache_type.create(self.config, 1, _round_up(n, CACHE_QUANTUM), self._dtype)
         logits, _ = self.forward(tokens, positions, cache)
         return np.asarray(logits[0, :n], np.float32)
 
@@ -125,7 +127,7 @@ class ReferenceGenerator:
         longest = max(len(r.prompt) for r in rows)
         total = max(len(r.prompt) + r.params.max_tokens for r in rows)
         cache_len = _round_up(min(total, self.config.max_position_embeddings), CACHE_QUANTUM)
-        cache = DenseKVCache.create(self.config, batch, cache_len, self._dtype)
+        cache = self.cache_type.create(self.config, batch, cache_len, self._dtype)
         limit = min(cache_len, self.config.max_position_embeddings)
 
         length = _round_up(longest, LENGTH_QUANTUM)

@@ -14,6 +14,11 @@ asked for one. Invariants:
   last chunk of a prompt): the runner samples exactly one token for it, in the order of ``requests``.
 * ``output_token_ids`` are the tokens generated so far (for penalties); the runner never mutates
   any field.
+* Hybrid models only (recurrent KDA state, ``state_slots``): ``state_slot`` is the request's live
+  state row; ``restore_slot >= 0`` asks the runner to copy that checkpoint row into
+  ``state_slot`` before the step (a prefix-cache hit that ends at ``start_pos``);
+  ``checkpoint_slot >= 0`` asks it to store the state at the step's last ``prefix_granularity``
+  boundary in that row. All three are -1 for models without recurrent state.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class StepRequest:
     sample: bool
     params: SamplingParams
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    state_slot: int = -1
+    restore_slot: int = -1
+    checkpoint_slot: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -15,12 +15,16 @@ Invariants:
   stopped, ran out of length, was aborted or the engine failed.
 * ``max_model_len`` never exceeds what the KV pages can hold, so one request alone always fits
   and preemption can always make progress.
+* A hybrid model (Kimi-Linear: recurrent KDA state beside a paged latent cache) runs on
+  ``KimiRunner`` with a state pool of ``max_num_seqs`` live rows plus, with prefix caching, as
+  many checkpoint rows (``state_slots.StateSlots``); any other model runs on ``ModelRunner``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import queue
@@ -36,9 +40,12 @@ from tokenspeed_jax.engine.batch import StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
 from tokenspeed_jax.engine.scheduler import ScheduledStep, Scheduler
+from tokenspeed_jax.engine.state_slots import StateSlots
 from tokenspeed_jax.outputs import Completion
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
@@ -69,14 +76,17 @@ class Engine:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
+        self.state_slots = state_slots
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            state_slots=state_slots,
         )
         self.max_model_len = min(max_model_len, num_pages * page_size)
         self._tracked: dict[str, _Tracked] = {}
@@ -110,6 +120,12 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError for sampling settings the runner cannot honour."""
+        if params.has_penalties and not getattr(self.runner, "supports_penalties", True):
+            raise ValueError(f"{type(self.runner).__name__} does not apply repetition, frequency "
+                             f"or presence penalties yet; remove them from the request")
+
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
@@ -119,6 +135,7 @@ class Engine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
+        self.check_params(params)
         request = Request(request_id, list(prompt_token_ids), params.with_random_seed())
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                              stop=params.stop)
@@ -155,8 +172,9 @@ class Engine:
 
         Every prompt is checked before any is admitted, so a bad one leaves nothing in flight.
         """
-        for prompt_ids, _ in prompts:
+        for prompt_ids, params in prompts:
             self.check_prompt(prompt_ids)
+            self.check_params(params)
         ids = []
         for i, (prompt_ids, params) in enumerate(prompts):
             children = [f"generate-{id(self)}-{i}-{j}" for j in range(params.n)]
@@ -173,7 +191,15 @@ class Engine:
     def stats(self) -> dict[str, float]:
         manager = self.block_manager
         scheduler = self.scheduler
+        slots = self.state_slots
+        state = {} if slots is None else {
+            "state_slots_total": slots.num_live,
+            "state_slots_used": slots.num_live - slots.num_free,
+            "kda_checkpoints_written": slots.checkpoints_written,
+            "kda_checkpoint_hits": slots.checkpoint_hits,
+        }
         return {
+            **state,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_pages_total": manager.num_pages,
@@ -285,12 +311,41 @@ CPU_MEMORY_SHARE = 0.1
 KV_PAGE_ROUNDING = 256
 
 
+def is_hybrid(model_config: Any) -> bool:
+    """A model with recurrent KDA state beside its attention cache (Kimi-Linear)."""
+    return getattr(model_config, "model_type", None) == "kimi_linear"
+
+
 def kv_page_bytes(model_config: Any, page_size: int, dtype: Any) -> int:
-    """Bytes of one KV page over all layers: K and V, [page_size, kv_heads, head_dim] each."""
+    """Bytes of one KV page over all attention layers: K and V, [page_size, kv_heads, head_dim]
+    each; for a hybrid model one latent row [page_size, latent_dim] per MLA layer."""
     import numpy as np
 
+    itemsize = np.dtype(dtype).itemsize
+    if is_hybrid(model_config):
+        return page_size * model_config.latent_dim * len(model_config.mla_layers) * itemsize
     per_layer = 2 * page_size * model_config.num_key_value_heads * model_config.head_dim
-    return per_layer * model_config.num_hidden_layers * np.dtype(dtype).itemsize
+    return per_layer * model_config.num_hidden_layers * itemsize
+
+
+def state_slot_bytes(model_config: Any, dtype: Any) -> int:
+    """Bytes of one KDA state-pool row over all KDA layers: float32 state and the conv window."""
+    import numpy as np
+
+    h, k = model_config.linear_num_heads, model_config.linear_head_dim
+    conv = (model_config.conv_kernel_size - 1) * 3 * h * k * np.dtype(dtype).itemsize
+    return (h * k * k * 4 + conv) * len(model_config.kda_layers)
+
+
+def hybrid_state_slots(config: EngineConfig) -> StateSlots:
+    """The state rows of a hybrid model: ``max_num_seqs`` live rows, plus as many checkpoint rows
+    when prefix caching is on (the caller turns it off when checkpoints cannot line up with
+    pages)."""
+    from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
+
+    checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
+    return StateSlots(config.max_num_seqs, checkpoints, granularity=config.prefix_granularity,
+                      chunk=CHUNK_SIZE, page_size=config.page_size)
 
 
 def free_device_bytes() -> tuple[int, str]:
@@ -304,8 +359,9 @@ def free_device_bytes() -> tuple[int, str]:
     return int(available * CPU_MEMORY_SHARE), "host"
 
 
-def num_kv_pages(config: EngineConfig, page_bytes: int) -> int:
-    """KV pages to allocate: the explicit ``num_pages``, else what the free memory allows.
+def num_kv_pages(config: EngineConfig, page_bytes: int, reserved_bytes: int = 0) -> int:
+    """KV pages to allocate: the explicit ``num_pages``, else what the free memory allows (less
+    ``reserved_bytes`` taken by other per-engine buffers).
 
     Never more than ``max_num_seqs`` full-length sequences need, never fewer than one sequence of
     ``max_model_len`` needs.
@@ -318,7 +374,7 @@ def num_kv_pages(config: EngineConfig, page_bytes: int) -> int:
         raise ValueError(f"mem_fraction must be in (0, 1], got {config.mem_fraction}")
     per_sequence = math.ceil(config.max_model_len / config.page_size)
     free, _ = free_device_bytes()
-    affordable = int(free * config.mem_fraction) // page_bytes
+    affordable = (int(free * config.mem_fraction) - reserved_bytes) // page_bytes
     if affordable >= KV_PAGE_ROUNDING:
         affordable = max(affordable // KV_PAGE_ROUNDING * KV_PAGE_ROUNDING, per_sequence)
     if affordable < per_sequence:
@@ -336,11 +392,12 @@ class EngineBundle:
     """A ready engine and what start-up produced on the way."""
 
     engine: Engine
-    runner: Any  # ModelRunner
+    runner: Any  # ModelRunner or KimiRunner
     compile_summary: Any  # graph.CompileSummary
     model_path: str
     seconds: float
     loaded: Any  # models.loader.LoadedModel
+    config: EngineConfig  # as run: buckets clamped, prefix caching off where it cannot work
 
 
 def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
@@ -362,10 +419,29 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     dtype = getattr(loaded.model, "dtype", "float32")
     page_bytes = kv_page_bytes(loaded.config, config.page_size, dtype)
     if mesh is not None:  # each device holds its share of every page; free memory is per device
-        parallel.check_llama(loaded.config, mesh.size)
+        parallel.check_model(loaded.config, mesh.size)
         page_bytes = -(-page_bytes // parallel.kv_cache_shards(loaded.config, mesh.size))
-    num_pages = num_kv_pages(config, page_bytes)
-    runner = ModelRunner(loaded.model, config, num_pages, config.page_size)
+    state_slots = None
+    reserved = 0
+    if is_hybrid(loaded.config):
+        if config.enable_prefix_caching and config.prefix_granularity % config.page_size:
+            logger.warning(
+                "prefix caching is off for this hybrid model: prefix_granularity=%d is not a "
+                "multiple of page_size=%d, so KDA checkpoints cannot end on a page",
+                config.prefix_granularity, config.page_size)
+            config = dataclasses.replace(config, enable_prefix_caching=False)
+        state_slots = hybrid_state_slots(config)
+        # KDA state rows are split by head: each device holds 1/N of every row
+        reserved = -(-state_slots.num_slots * state_slot_bytes(loaded.config, dtype)
+                     // parallel.mesh_size(mesh))
+    num_pages = num_kv_pages(config, page_bytes, reserved)
+    if state_slots is None:
+        runner = ModelRunner(loaded.model, config, num_pages, config.page_size)
+    else:
+        from tokenspeed_jax.engine.kimi_runner import KimiRunner
+
+        runner = KimiRunner(loaded.model, config, num_pages=num_pages,
+                            num_state_slots=state_slots.num_slots, page_size=config.page_size)
     summary = runner.compile_all()
     budget = config.prefill_token_limit if config.chunked_prefill_size else config.max_model_len
     engine = Engine(
@@ -377,9 +453,10 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         max_num_batched_tokens=budget,
         max_model_len=min(config.max_model_len, loaded.config.max_position_embeddings),
         enable_prefix_caching=config.enable_prefix_caching,
+        state_slots=state_slots,
     )
     return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start,
-                        loaded)
+                        loaded, config)
 
 
 class EngineDeadError(RuntimeError):

@@ -17,9 +17,15 @@ segments with the same pieces and wiring are one executable. Routes per step:
 
 State: per KDA layer a recurrent pool ``state.i [P, H, K, V]`` fp32 and a conv pool
 ``conv.i [P, W - 1, 3 H K]``; per MLA layer a paged latent cache ``latent.j``. Requests name
-their rows (``KimiStepRequest.state_slot``); every pool is donated and updated in place. A
+their rows (``StepRequest.state_slot``); every pool is donated and updated in place. A
 request at position 0 starts from zero states (its rows are reset inside the plan); a later chunk
 or decode step continues from what its rows hold (its previous chunk, or a restored checkpoint).
+
+Tensor parallelism (``tensor_parallel_size`` > 1): the weights are placed with
+``parallel.place_model``, the state and conv pools split by head and the latent pages replicated
+(``parallel.kimi_pool_sharding``); every executable is compiled over the mesh with the hand-off
+values' shardings of ``parallel.kimi_plan_value_shardings``, and the pieces run the KDA kernels and
+the routed experts per shard (``shard_map``).
 
 Invariants:
 
@@ -30,6 +36,8 @@ Invariants:
   prefill plan carries per-request checkpoint offsets and slots, so a step with zero, one or more
   checkpointing requests reuses the same executable; the kernel scans such a request in two
   loops (main up to the checkpoint, tail after it) within one call.
+* Restores: a request with ``restore_slot >= 0`` has that row's KDA and conv states copied into
+  its ``state_slot`` (one compiled ``restore`` executable, pools donated) before its step runs.
 * Per-request KDA metadata (``cu_seqlens``, slots, checkpoint offsets and slots) travels as plan
   inputs (segments read it); break metadata (page tables, slot mappings) as break metadata.
 """
@@ -46,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.model_runner import Buckets
@@ -73,14 +82,6 @@ MAX_TOP_LOGPROBS = 20
 KDA_META = ("cu_seqlens", "kda_slots", "checkpoint_offsets", "checkpoint_slots")
 FRESH = "fresh_slots"  # [N]: the state slot of each request starting at position 0, else -1
 SAMPLED = ("token_ids", "logprobs", "top_logprobs", "top_ids")
-
-
-@dataclasses.dataclass
-class KimiStepRequest(StepRequest):
-    """A step request with its KDA state rows."""
-
-    state_slot: int = -1  # the request's live KDA/conv state row (must be >= 0)
-    checkpoint_slot: int = -1  # row for this step's prefix checkpoint; -1 = none
 
 
 def reset_rows(pool: jax.Array, rows: jax.Array) -> jax.Array:
@@ -184,6 +185,8 @@ class PlanBuilder:
 class KimiRunner:
     """Runs engine steps of a Kimi-Linear model over its state pools and latent pages."""
 
+    supports_penalties = False  # the sampling head takes no token counts (the engine rejects)
+
     def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, *, num_pages: int,
                  num_state_slots: int, page_size: int = 16) -> None:
         if num_pages < 1 or page_size < 1 or num_state_slots < 1:
@@ -197,6 +200,9 @@ class KimiRunner:
         self.scale = float(model.attention_scale)
         self.buckets = Buckets.from_config(config, prefill=True, decode=True)
         self.dtype = model.dtype
+        self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+        if self.mesh is not None:
+            parallel.place_model(model, self.mesh)
         layers = list(model.layers)
         self.kinds = [layer.kind for layer in layers]
         graphdefs: list[Any] = []
@@ -213,27 +219,35 @@ class KimiRunner:
         self._layers_placeholder = abstract(layers_state)
         k, h, width = cfg.linear_head_dim, cfg.linear_num_heads, cfg.conv_kernel_size
         with startup():
-            self.pools: dict[str, jax.Array] = {}
+            shapes: dict[str, tuple[tuple[int, ...], Any]] = {}
             for i, kind in enumerate(self.kinds):
                 if kind == KDA:
-                    self.pools[f"state.{i}"] = jnp.zeros((num_state_slots, h, k, k), jnp.float32)
-                    self.pools[f"conv.{i}"] = jnp.zeros((num_state_slots, width - 1, 3 * h * k),
-                                                        self.dtype)
+                    shapes[f"state.{i}"] = (num_state_slots, h, k, k), jnp.float32
+                    shapes[f"conv.{i}"] = (num_state_slots, width - 1, 3 * h * k), self.dtype
                 else:
-                    self.pools[f"latent.{i}"] = jnp.zeros((num_pages, page_size, cfg.latent_dim),
-                                                          self.dtype)
+                    shapes[f"latent.{i}"] = (num_pages, page_size, cfg.latent_dim), self.dtype
+            self.pools: dict[str, jax.Array] = {
+                name: jnp.zeros(shape, dtype, device=None if self.mesh is None
+                                else parallel.kimi_pool_sharding(name, self.mesh))
+                for name, (shape, dtype) in shapes.items()}
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._builder = PlanBuilder()
         self._fns: dict[tuple, Callable] = {}
         self.plans = {route: self._forward_plan(route) for route in ("inline", "ordinary",
                                                                        "decode")}
         self.plans["reference"] = self._forward_plan("ordinary", impl="reference")
+        self.state_pools = tuple(n for n in self.pools if not n.startswith("latent"))
+        restore = Segment("restore", _copy_rows, ("restore_src", "restore_dst", *self.state_pools),
+                          self.state_pools, self.state_pools)
+        self.restore_plan = Plan([Call(restore)], restore.inputs, restore.outputs)
+        self.restore_rows = self.buckets.prefill_requests[-1]
         head = Break("sample", self._head_sample, ("hidden",), SAMPLED)
         self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), SAMPLED)
         self._compiled: dict[tuple, CompiledPlan] = {}
         self.compiled = False
         self.counters = dict.fromkeys(("inline_runs", "ordinary_runs", "decode_runs",
-                                       "eager_runs", "real_tokens", "padded_tokens"), 0)
+                                       "eager_runs", "real_tokens", "padded_tokens",
+                                       "restores"), 0)
 
     # ----------------------------------------------------------------- pieces
 
@@ -263,7 +277,7 @@ class KimiRunner:
                 def block(params, hidden, conv_pool, state_pool, fresh, *meta, _g=graph):
                     return self._layer(_g, params).kda_block(
                         hidden, reset_rows(conv_pool, fresh), reset_rows(state_pool, fresh),
-                        KdaMeta(*meta), impl=impl, decode=decode)
+                        KdaMeta(*meta), impl=impl, decode=decode, mesh=self.mesh)
 
                 pieces.append(Piece(("kda", graph, impl, decode),
                                     self._fn(("kda", graph, impl, decode), lambda b=block: b),
@@ -276,10 +290,10 @@ class KimiRunner:
 
                 def core(params, meta, q, k, v, g, beta, state_pool, fresh, *kda_meta):
                     return kda_core(q, k, v, g, beta, reset_rows(state_pool, fresh),
-                                    KdaMeta(*kda_meta), impl=impl, decode=False)
+                                    KdaMeta(*kda_meta), impl=impl, decode=False, mesh=self.mesh)
 
                 def kda_out(params, hidden, o, gate, _g=graph):
-                    return (self._layer(_g, params).kda_outputs(hidden, o, gate),)
+                    return (self._layer(_g, params).kda_outputs(hidden, o, gate, mesh=self.mesh),)
 
                 qkv = ("q", "k", "v", "g", "beta")
                 pieces += [
@@ -298,7 +312,7 @@ class KimiRunner:
                     return self._layer(_g, params).mla_inputs(hidden)
 
                 def mla_out(params, hidden, attn, _g=graph):
-                    return (self._layer(_g, params).mla_outputs(hidden, attn),)
+                    return (self._layer(_g, params).mla_outputs(hidden, attn, mesh=self.mesh),)
 
                 attend = self._mla_decode if decode else self._mla_prefill
                 pieces += [
@@ -338,7 +352,7 @@ class KimiRunner:
 
     # ----------------------------------------------------------------- host arrays
 
-    def step_arrays(self, requests: Sequence[KimiStepRequest], num_tokens: int,
+    def step_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
                     num_requests: int) -> tuple[dict, dict, dict]:
         """Host-built (numpy) arrays of one padded group: plan inputs, break metadata, head."""
         token_ids = np.zeros(num_tokens, np.int32)
@@ -393,14 +407,16 @@ class KimiRunner:
         return inputs, attention, {"rows": rows_arr, "sampling": sampling}
 
     def _check_slots(self, request: StepRequest) -> None:
-        slot = getattr(request, "state_slot", -1)
-        checkpoint = getattr(request, "checkpoint_slot", -1)
+        slot, checkpoint = request.state_slot, request.checkpoint_slot
         if not 0 <= slot < self.num_state_slots:
             raise ValueError(f"request {request.request_id}: state_slot={slot} must be in "
                              f"[0, {self.num_state_slots})")
         if checkpoint >= self.num_state_slots or checkpoint == slot:
             raise ValueError(f"request {request.request_id}: checkpoint_slot={checkpoint} must "
                              f"be < {self.num_state_slots} and differ from state_slot={slot}")
+        if request.restore_slot >= self.num_state_slots or request.restore_slot == slot:
+            raise ValueError(f"request {request.request_id}: restore_slot={request.restore_slot} "
+                             f"must be < {self.num_state_slots} and differ from state_slot={slot}")
 
     def _page_table(self, request: StepRequest) -> np.ndarray:
         table = np.asarray(request.page_table, np.int32)
@@ -416,7 +432,9 @@ class KimiRunner:
     def compile_all(self) -> CompileSummary:
         """Compile every executable a step can reach; fatal on failure; then arm the guard."""
         compiler = PlanCompiler(progress=self.config.compile_progress,
-                                description="compiling Kimi executables")
+                                description="compiling Kimi executables", mesh=self.mesh)
+        shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
+            self.mesh, list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
         routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
@@ -426,17 +444,23 @@ class KimiRunner:
             inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
             for route in routes:
                 compiler.add(f"{route} T={tokens} N={requests}", self.plans[route],
-                             {**inputs, **pools}, {"attention": attention, "kda": {}})
+                             {**inputs, **pools}, {"attention": attention, "kda": {}},
+                             shardings=shardings)
         decode_shapes = [(n, n) for n in self.buckets.decode_requests]
         for rows in self.buckets.decode_requests:
             inputs, attention, _ = (abstract(m) for m in self.step_arrays([], rows, rows))
             compiler.add(f"decode T={rows} N={rows}", self.plans["decode"], {**inputs, **pools},
-                         {"attention": attention})
+                         {"attention": attention}, shardings=shardings)
         for tokens, requests in dict.fromkeys(shapes + decode_shapes):
             hidden = jax.ShapeDtypeStruct((tokens, hidden_size), self.dtype)
             head = abstract(self.step_arrays([], tokens, requests)[2])
             compiler.add(f"head T={tokens} N={requests}", self.head_plan, {"hidden": hidden},
                          {"sample": head})
+        rows = abstract({"restore_src": np.zeros(self.restore_rows, np.int32),
+                         "restore_dst": np.zeros(self.restore_rows, np.int32)})
+        compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}", self.restore_plan,
+                     {**rows, **{n: pools[n] for n in self.state_pools}},
+                     shardings=shardings)
         plans, summary = compiler.compile_all()
         for label, plan in plans.items():
             route, tokens, requests = label.split()
@@ -473,15 +497,20 @@ class KimiRunner:
             return self.run_eager(batch.requests, plan="ordinary")
         return self.run_compiled(route, batch.requests)
 
+    def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
+        """(tokens, requests): the bucket of the executable a compiled step on ``route`` runs."""
+        if route == "decode":
+            rows = choose_bucket(self.buckets.decode_requests, len(requests))
+            return rows, rows
+        return (choose_bucket(self.buckets.tokens, sum(r.num_tokens for r in requests)),
+                choose_bucket(self.buckets.prefill_requests, len(requests)))
+
     def run_compiled(self, route: str, requests: Sequence[StepRequest]) -> StepOutput:
         """A step on the compiled plan of ``route`` ("inline", "ordinary" or "decode")."""
         total = sum(r.num_tokens for r in requests)
-        if route == "decode":
-            tokens = rows = choose_bucket(self.buckets.decode_requests, len(requests))
-        else:
-            tokens = choose_bucket(self.buckets.tokens, total)
-            rows = choose_bucket(self.buckets.prefill_requests, len(requests))
+        tokens, rows = self.bucket(route, requests)
         inputs, attention, head = self.step_arrays(requests, tokens, rows)
+        self.restore(requests)
         self.counters[f"{route}_runs"] += 1
         self.counters["real_tokens"] += total
         self.counters["padded_tokens"] += tokens - total
@@ -499,6 +528,7 @@ class KimiRunner:
         total = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += total
         inputs, attention, head = self.step_arrays(requests, total, len(requests))
+        self.restore(requests)
         num_sampled = sum(r.sample for r in requests)
         with self.guard.allowed("Kimi eager forward"):
             out = run_eager(self.plans[plan], {**jax.device_put(inputs), **self.pools},
@@ -510,12 +540,33 @@ class KimiRunner:
             sampled = run_eager(self.head_plan, {"hidden": out["hidden"]}, {"sample": rows})
             return _output(sampled, num_sampled)
 
+    def restore(self, requests: Sequence[StepRequest]) -> None:
+        """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""
+        pairs = [(r.restore_slot, r.state_slot) for r in requests if r.restore_slot >= 0]
+        for start in range(0, len(pairs), self.restore_rows):
+            src = np.full(self.restore_rows, -1, np.int32)
+            dst = np.full(self.restore_rows, -1, np.int32)
+            chunk = pairs[start:start + self.restore_rows]
+            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
+            self.counters["restores"] += len(chunk)
+            states = {n: self.pools[n] for n in self.state_pools}
+            out = self._compiled["restore", self.restore_rows, self.restore_rows].run(
+                {"restore_src": jax.device_put(src), "restore_dst": jax.device_put(dst), **states})
+            self.pools.update(out)
+
     def _adopt(self, values: dict[str, jax.Array]) -> None:
         """Take the pools a plan returned (the donated inputs are gone)."""
         self.pools = {name: values[name] for name in self.pools}
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "runtime_compiles": self.guard.runtime_compiles}
+
+
+def _copy_rows(params: Any, src: jax.Array, dst: jax.Array, *pools: jax.Array) -> tuple:
+    """Each pool with row ``dst[i]`` set to row ``src[i]`` (pairs with ``dst < 0`` skipped)."""
+    del params
+    return tuple(pool.at[jnp.where(dst >= 0, dst, pool.shape[0])].set(
+        pool[jnp.maximum(src, 0)], mode="drop") for pool in pools)
 
 
 def _output(sampled: dict[str, jax.Array], count: int) -> StepOutput:

@@ -3,22 +3,29 @@
 Routes, chosen per step from static configuration and the step's sizes:
 
 * **Decode graph**: every request decodes one token. One whole-step executable per decode batch
-  bucket (embedding, all layers with paged attention inside, head and sampler). A step with more
-  requests than the largest bucket is split into bucket-sized groups (counted). Decode attention
-  is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the Pallas op on a
-  GPU), so its cost follows the live context, not ``max_model_len``.
-* **Prefill graph** (prefill and mixed steps): an *encoder* plan per (token bucket, context
-  bucket): segments ``embed+qkv(0)``, ``out(i)+qkv(i+1)``, ``out(L-1)``, with an ``attention``
-  break per layer that writes K/V into the paged cache and attends over the step's own K/V plus
-  the packed cached context (``context`` slots: 0 for fresh prompts). Then the *narrowing* break
+  bucket (embedding, all layers with paged attention inside, head and the in-step sampler). A
+  step with more requests than the largest bucket is split into bucket-sized groups (counted).
+  Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the
+  Pallas op on a GPU), so its cost follows the live context, not ``max_model_len``.
+* **Prefill graph** (prefill and mixed steps): an *encoder* plan per token bucket: segments
+  ``embed+qkv(0)``, ``out(i)+qkv(i+1)``, ``out(L-1)``, with an ``attention`` break per layer that
+  writes the step's K/V into the paged cache, then lets every token attend to its request's keys
+  0..its position through the request's page table (``paged_prefill_attention``: the Pallas
+  kernel on a GPU, chosen once by ``choose_prefill_kernel``). The attention metadata holds
+  ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
+  count, do not depend on how much context is cached. Then the *narrowing* break
   gathers each sampled request's last hidden row, and a *decoder* plan per row bucket runs the
-  head and the sampler on rows only. Steps with more tokens than the largest bucket are cut into
-  chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the largest
-  request bucket are split into groups.
-* **Penalties**: a step where a sampled request has a presence, frequency or repetition penalty
-  takes the prefill route (decode tokens included) and its head is the *penalized* decoder plan
-  (one per row bucket), which also takes ``counts i32[rows, V]`` of each request's output tokens,
-  built on the host. Counted as ``penalized_head_runs``.
+  head and the in-step sampler on rows only. Steps with more tokens than the largest bucket are
+  cut into chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the
+  largest request bucket are split into groups.
+* **Sampling in two tiers**: the in-step sampler (``_fast_sample``: temperature, min-p, seeds,
+  greedy) has no top-k/top-p truncation and no top log-probabilities, so it never sorts over the
+  vocabulary (a sort cost 1.4 ms per 8B-shape decode step at batch 32 on an H200). Heads and
+  decode steps also return their logits; when a sampled request needs penalties, truncation or
+  top log-probabilities (``needs_full_sampler``), a *resample* plan (one per row bucket of either
+  route; the penalized one also takes ``counts i32[rows, V]`` of each request's output tokens,
+  built on the host) samples those rows again with the full sampler. Counted as
+  ``resample_runs``.
 * **Eager**: the same plans run op by op (``enforce_eager``, prefill graph off, or a model that
   declares ``supports_prefill_graph = False`` / ``supports_decode_graph = False``). Counted and
   logged; its compiles are declared to the guard.
@@ -68,30 +75,18 @@ from tokenspeed_jax.graph import (
 )
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
-from tokenspeed_jax.kernels.attention import (
-    paged_decode_attention,
+from tokenspeed_jax.kernels.attention import paged_decode_attention, write_kv
+from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, choose_decode_kernel
+from tokenspeed_jax.kernels.paged_prefill_attention import (
+    choose_prefill_kernel,
     paged_prefill_attention,
-    write_kv,
+    prefill_work,
 )
-from tokenspeed_jax.kernels.paged_attention_backend import choose_decode_kernel
+from tokenspeed_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
-SMALLEST_CONTEXT_BUCKET = 256  # cached-context slots of the first non-empty context bucket
-CONTEXT_GROWTH = 4  # context buckets grow 4x: at most 4x padding on the context part only
-
-
-def context_ladder(top: int) -> tuple[int, ...]:
-    """Context-slot buckets of the prefill attention: 0 (fresh prompts), then x4 steps to top."""
-    if top < 0:
-        raise ValueError(f"top={top} must be >= 0")
-    ladder = [0]
-    size = SMALLEST_CONTEXT_BUCKET
-    while ladder[-1] < top:
-        ladder.append(min(size, top))
-        size *= CONTEXT_GROWTH
-    return tuple(ladder)
 
 
 def split_requests(
@@ -133,13 +128,11 @@ class Buckets:
     tokens: tuple[int, ...]
     prefill_requests: tuple[int, ...]
     decode_requests: tuple[int, ...]
-    contexts: tuple[int, ...] = ()  # cached-context slots a prefill group reads (packed)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, prefill: bool, decode: bool) -> Buckets:
         tokens: tuple[int, ...] = ()
         requests: tuple[int, ...] = ()
-        contexts: tuple[int, ...] = ()
         if prefill and config.prefill_graph_enabled:
             top = config.prefill_token_limit
             tokens = (token_ladder(top) if config.prefill_graph_capture_token_sizes is None
@@ -147,14 +140,13 @@ class Buckets:
             max_bs = min(config.prefill_graph_max_bs, top)
             requests = (batch_ladder(max_bs) if config.prefill_graph_capture_batch_sizes is None
                         else explicit_ladder(config.prefill_graph_capture_batch_sizes, max_bs))
-            contexts = context_ladder(requests[-1] * config.max_model_len)
         decode_requests: tuple[int, ...] = ()
         if decode and not config.enforce_eager:
             max_bs = config.decode_graph_max_bs
             decode_requests = (
                 batch_ladder(max_bs) if config.decode_graph_capture_batch_sizes is None
                 else explicit_ladder(config.decode_graph_capture_batch_sizes, max_bs))
-        return cls(tokens, requests, decode_requests, contexts)
+        return cls(tokens, requests, decode_requests)
 
 
 class ModelRunner:
@@ -196,20 +188,24 @@ class ModelRunner:
             self.k_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
             self.v_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
         self.decode_kernel = choose_decode_kernel(
+            head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
+            num_kv_heads=cfg.num_key_value_heads)
+        self.prefill_kernel = choose_prefill_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
             devices=1 if self.mesh is None else self.mesh.size)
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()
-        self._encoders: dict[tuple[int, int], CompiledPlan] = {}
+        self._encoders: dict[int, CompiledPlan] = {}
         self._narrowers: dict[tuple[int, int], CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
-        self._penalized_decoders: dict[int, CompiledPlan] = {}
         self._decode_steps: dict[int, CompiledPlan] = {}
+        self._resamplers: dict[int, CompiledPlan] = {}
+        self._penalized_resamplers: dict[int, CompiledPlan] = {}
         self.compiled = False
         self.counters = dict.fromkeys((
             "prefill_graph_runs", "decode_graph_runs", "eager_runs", "chunked_prefill_splits",
             "request_splits", "decode_splits", "real_tokens", "padded_tokens",
-            "penalized_head_runs"), 0)
+            "resample_runs"), 0)
 
     # ----------------------------------------------------------------- stage functions
 
@@ -238,31 +234,22 @@ class ModelRunner:
         meta = packed.unpack()
         k_pages = write_kv(k_pages, k, meta["slot_mapping"])
         v_pages = write_kv(v_pages, v, meta["slot_mapping"])
-        attn = paged_prefill_attention(q, k, v, k_pages, v_pages, meta["token_request"],
-                                       positions, meta["context_slots"],
-                                       meta["context_request"], scale=self.scale)
+        attn = paged_prefill_attention(q, k_pages, v_pages, meta["page_tables"],
+                                       meta["token_request"], positions, meta.get("work"),
+                                       scale=self.scale, kernel=self.prefill_kernel)
         return attn, k_pages, v_pages
 
     @staticmethod
     def _narrow(params: Any, meta: dict, hidden: jax.Array) -> jax.Array:
         return jnp.take(hidden, meta["rows"], axis=0)
 
-    def _sample(self, outer_state: Any, meta: dict[str, jax.Array], hidden: jax.Array
-                ) -> jax.Array:
-        """The head and the sampler: one i32[rows, 2 + 2k] array (``step_output`` splits it), so
-        fetching a step's results is one device->host copy."""
-        logits = self._outer(outer_state).head(hidden)
-        token_ids, logprobs = sample(logits, _unpack_sampling(meta), meta.get("counts"))
-        k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
-        top_values, top_ids = top_logprobs(logits, k)
-        as_words = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-        return jnp.concatenate([token_ids[:, None], as_words(logprobs)[:, None], top_ids,
-                                as_words(top_values)], axis=1)
-
-    def _head_sample(self, params: Any, packed: Packed, hidden: jax.Array) -> jax.Array:
-        return self._sample(params, packed.unpack(), hidden)
+    def _head(self, params: Any, packed: Packed, hidden: jax.Array) -> tuple:
+        """The head and the in-step sampler on ``hidden`` rows: (sampled rows, fp32 logits)."""
+        logits = self._outer(params).head(hidden).astype(jnp.float32)
+        return _fast_sample(packed.unpack(), logits), logits
 
     def _decode_step(self, params: Any, packed: Packed, *caches: jax.Array) -> tuple:
+        """One decode step: the in-step sampler's rows, the logits (for ``resample``), caches."""
         outer_state, layer_states = params
         meta = packed.unpack()
         k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
@@ -270,13 +257,21 @@ class ModelRunner:
         hidden = self._outer(outer_state).embed(meta["token_ids"])
         for i, state in enumerate(layer_states):
             layer = self._layer(state)
-            q, k, v = layer.attention_inputs(hidden, positions)
+            # The barrier keeps XLA from fusing the K/V projections into the cache scatter,
+            # which at batch 1 recomputed them per written element (measured on an H200: 160 us
+            # per write instead of 3).
+            q, k, v = jax.lax.optimization_barrier(layer.attention_inputs(hidden, positions))
             k_all[i] = write_kv(k_all[i], k, slots)
             v_all[i] = write_kv(v_all[i], v, slots)
             attn = paged_decode_attention(q, k_all[i], v_all[i], meta["page_tables"], positions,
                                           scale=self.scale, kernel=self.decode_kernel)
             hidden = layer.attention_outputs(hidden, attn)
-        return (self._sample(outer_state, meta, hidden), *k_all, *v_all)
+        logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
+        return (_fast_sample(meta, logits), logits, *k_all, *v_all)
+
+    @staticmethod
+    def _resample(params: Any, packed: Packed, logits: jax.Array) -> jax.Array:
+        return _full_sample(packed.unpack(), logits)
 
     # ----------------------------------------------------------------- plans
 
@@ -305,14 +300,19 @@ class ModelRunner:
         narrow = Break("narrow", self._narrow, ("hidden",), ("rows_hidden",))
         self.narrow_plan = Plan([Call(narrow)], ("hidden",), ("rows_hidden",))
         sampled = ("sampled",)
-        head = Break("sample", self._head_sample, ("rows_hidden",), sampled)
-        self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",), sampled)
-        penalized_head = Break("penalized-sample", self._head_sample, ("rows_hidden",), sampled)
-        self.penalized_decoder_plan = Plan([Call(penalized_head, self.outer_state)],
-                                           ("rows_hidden",), sampled)
-        decode = Break("decode", self._decode_step, caches, (*sampled, *caches), donate=caches)
+        head = Break("head", self._head, ("rows_hidden",), ("sampled", "logits"))
+        self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
+                                 ("sampled", "logits"))
+        decoded = ("sampled", "logits", *caches)
+        decode = Break("decode", self._decode_step, caches, decoded, donate=caches)
         self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
-                                caches, (*sampled, *caches))
+                                caches, decoded)
+        # The full sampler on the logits of a head or a decode step, for rows the in-step
+        # sampler cannot serve (``needs_full_sampler``).
+        resample = Break("sample", self._resample, ("logits",), sampled)
+        self.resample_plan = Plan([Call(resample)], ("logits",), sampled)
+        penalized_resample = Break("penalized-sample", self._resample, ("logits",), sampled)
+        self.penalized_resample_plan = Plan([Call(penalized_resample)], ("logits",), sampled)
 
     # ----------------------------------------------------------------- start-up compile
 
@@ -321,30 +321,31 @@ class ModelRunner:
         specs = abstract(self.k_pages) + abstract(self.v_pages)
         return dict(zip(k_names + v_names, specs))
 
+    def _table_rows(self, num_tokens: int) -> int:
+        """Page-table rows of a token bucket's attention: every group it can hold fits."""
+        return min(num_tokens, self.buckets.prefill_requests[-1])
+
     def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
-                       num_requests: int, num_context: int | None = None
+                       num_requests: int, num_table_rows: int | None = None
                        ) -> tuple[dict, dict, dict]:
         """Host-built (numpy) arrays of one padded prefill group: inputs, attention (packed),
-        head (``rows`` and ``sampling``).
+        head (``rows``: each sampled request's last token).
 
-        The attention arrays hold the packed cached context (``context_slots``: the slots of
-        every request's positions before ``start_pos``, ``context_request``: whose they are),
-        padded to ``num_context`` slots (default: the smallest context bucket that fits, or the
-        exact size when there are no buckets).
+        The attention arrays are the token slots, each token's request (``token_request``), the
+        requests' page tables padded to ``num_table_rows`` rows (default ``_table_rows``: fixed
+        by the token bucket) and, for the Pallas kernel, its work items.
         """
+        if num_table_rows is None:
+            num_table_rows = self._table_rows(num_tokens)
+        if len(requests) > num_table_rows:
+            raise ValueError(f"{len(requests)} requests exceed num_table_rows={num_table_rows}")
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.full(num_tokens, -1, np.int32)
         slots = np.full(num_tokens, -1, np.int32)
         token_request = np.full(num_tokens, -1, np.int32)
-        context = sum(r.start_pos for r in requests)
-        if num_context is None:
-            num_context = choose_bucket(self.buckets.contexts, context) or context
-        if context > num_context:
-            raise ValueError(f"{context} cached context slots exceed num_context={num_context}")
-        context_slots = np.zeros(num_context, np.int32)
-        context_request = np.full(num_context, -1, np.int32)
+        page_tables = np.zeros((num_table_rows, self.pages_per_request), np.int32)
         rows, sampled = [], []
-        offset = context_offset = 0
+        offset = 0
         for index, request in enumerate(requests):
             span = slice(offset, offset + request.num_tokens)
             pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
@@ -353,10 +354,7 @@ class ModelRunner:
             positions[span] = pos
             slots[span] = self._slots(table, pos)
             token_request[span] = index
-            cached = slice(context_offset, context_offset + request.start_pos)
-            context_slots[cached] = self._slots(table, np.arange(request.start_pos))
-            context_request[cached] = index
-            context_offset += request.start_pos
+            page_tables[index, :len(table)] = table
             offset += request.num_tokens
             if request.sample:
                 rows.append(offset - 1)
@@ -364,10 +362,13 @@ class ModelRunner:
         rows_arr = np.zeros(num_requests, np.int32)
         rows_arr[:len(rows)] = rows
         inputs = {"token_ids": token_ids, "positions": positions}
-        attention = Packed.of({"slot_mapping": slots, "token_request": token_request,
-                               "context_slots": context_slots,
-                               "context_request": context_request})
-        head = {"rows": rows_arr, "sampling": self._sampling(sampled, num_requests)}
+        fields = {"slot_mapping": slots, "token_request": token_request,
+                  "page_tables": page_tables}
+        if self.prefill_kernel.backend == PALLAS:
+            fields["work"] = prefill_work(token_request, positions, num_rows=num_table_rows,
+                                          block_q=self.prefill_kernel.blocks.block_q)
+        attention = Packed.of(fields)
+        head = {"rows": rows_arr}
         return inputs, attention, head
 
     def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -419,9 +420,9 @@ class ModelRunner:
         pages = tables[np.arange(len(positions)), positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
-    def encoder(self, tokens: int, context: int = 0) -> CompiledPlan:
-        """The compiled prefill encoder plan of bucket (tokens, cached-context slots)."""
-        return self._encoders[tokens, context]
+    def encoder(self, tokens: int) -> CompiledPlan:
+        """The compiled prefill encoder plan of a token bucket."""
+        return self._encoders[tokens]
 
     def cache_fingerprint(self) -> str:
         """What the stage functions read besides their arguments, for the executable cache key:
@@ -430,6 +431,7 @@ class ModelRunner:
         classes = [type(self), *self._model_classes]
         return "\n".join([repr(self.model_def), repr(self.layer_def), f"scale={self.scale!r}",
                           f"decode_kernel={self.decode_kernel!r}",
+                          f"prefill_kernel={self.prefill_kernel!r}",
                           f"flax={flax.__version__}",
                           classes_fingerprint(classes, skip_modules=("flax",))])
 
@@ -446,36 +448,38 @@ class ModelRunner:
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
         for tokens in self.buckets.tokens:
-            for context in self.buckets.contexts:
-                inputs, attention, _ = (abstract(m) for m in
-                                        self.prefill_arrays([], tokens, 1, context))
-                compiler.add(f"prefill T={tokens} C={context}", self.encoder_plan,
-                             {**inputs, **caches}, {"attention": attention}, shardings)
+            inputs, attention, _ = (abstract(m) for m in self.prefill_arrays([], tokens, 1))
+            compiler.add(f"prefill T={tokens}", self.encoder_plan, {**inputs, **caches},
+                         {"attention": attention}, shardings)
             for requests in self.buckets.prefill_requests:
                 if requests > tokens:
                     continue
-                head = abstract(self.prefill_arrays([], tokens, requests, 0)[2])
+                head = abstract(self.prefill_arrays([], tokens, requests)[2])
                 hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
                 compiler.add(f"narrow T={tokens} B={requests}", self.narrow_plan,
                              {"hidden": hidden}, {"narrow": {"rows": head["rows"]}})
         for rows in self.buckets.prefill_requests:
             hidden = jax.ShapeDtypeStruct((rows, hidden_size), hidden_dtype)
-            sampling = self._sampling([], rows)
             compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": hidden},
-                         abstract(self._head_meta([], rows, sampling, penalized=False)[1]))
-            compiler.add(f"penalized-head B={rows}", self.penalized_decoder_plan,
-                         {"rows_hidden": hidden},
-                         abstract(self._head_meta([], rows, sampling, penalized=True)[1]))
+                         abstract(self._head_meta([], rows)))
         for rows in self.buckets.decode_requests:
-            compiler.add(f"decode B={rows}", self.decode_plan, caches,
-                         {"decode": abstract(self._decode_meta([], rows))}, shardings)
+            meta = {"decode": abstract(self._decode_meta([], rows))}
+            compiler.add(f"decode B={rows}", self.decode_plan, caches, meta, shardings)
+        for rows in sorted({*self.buckets.prefill_requests, *self.buckets.decode_requests}):
+            logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32)
+            for label, plan, penalized in (("resample", self.resample_plan, False),
+                                           ("penalized-resample", self.penalized_resample_plan,
+                                            True)):
+                compiler.add(f"{label} B={rows}", plan, {"logits": logits},
+                             abstract(self._resample_meta([], rows, penalized)[1]))
         plans, summary = compiler.compile_all()
         for label, plan in plans.items():
             kind, *sizes = label.split()
             key = tuple(int(s.split("=")[1]) for s in sizes)
             table = {"prefill": self._encoders, "narrow": self._narrowers,
-                     "head": self._decoders, "penalized-head": self._penalized_decoders,
-                     "decode": self._decode_steps}[kind]
+                     "head": self._decoders,
+                     "decode": self._decode_steps, "resample": self._resamplers,
+                     "penalized-resample": self._penalized_resamplers}[kind]
             table[key if len(key) > 1 else key[0]] = plan
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
@@ -492,10 +496,7 @@ class ModelRunner:
         if graphs and not self.compiled:
             raise RuntimeError("call compile_all() before step()")
         results = []
-        # A penalized request needs token counts the decode executable does not take: such a
-        # step runs through the prefill route, whose head has a penalized variant.
-        with_penalties = any(r.sample and r.params.has_penalties for r in batch.requests)
-        if batch.is_decode and self.buckets.decode_requests and not with_penalties:
+        if batch.is_decode and self.buckets.decode_requests:
             largest = self.buckets.decode_requests[-1]
             groups = [batch.requests[i:i + largest]
                       for i in range(0, len(batch.requests), largest)]
@@ -529,31 +530,48 @@ class ModelRunner:
         self.counters["prefill_graph_runs"] += 1
         self.counters["real_tokens"] += num_tokens
         self.counters["padded_tokens"] += tokens - num_tokens
-        context = attention.layout.field("context_slots").shape[0]
-        out = self._encoders[tokens, context].run(
+        out = self._encoders[tokens].run(
             {**jax.device_put(inputs), **self.kv_caches()}, {"attention": attention})
         self.store_kv_caches(out)
         narrowed = self._narrowers[tokens, rows].run(
             {"hidden": out["hidden"]}, {"narrow": {"rows": head["rows"]}})
         sampled_requests = [r for r in requests if r.sample]
-        with_penalties, meta = self._head_meta(sampled_requests, rows, head["sampling"])
-        if with_penalties:
-            self.counters["penalized_head_runs"] += 1
-        decoders = self._penalized_decoders if with_penalties else self._decoders
-        sampled = decoders[rows].run(narrowed, meta)
-        return fetch_sampled(sampled["sampled"], len(sampled_requests))
+        out = self._decoders[rows].run(narrowed, self._head_meta(sampled_requests, rows))
+        return self._finish_sampling(sampled_requests, rows, out)
 
-    def _head_meta(self, sampled: Sequence[StepRequest], rows: int, sampling: SamplingArrays,
-                   penalized: bool | None = None) -> tuple[bool, dict]:
-        """(whether the head is the penalized one, the packed metadata of the head plan to run):
-        the penalized head also takes each row's output-token counts. ``penalized`` None: the
-        penalized head exactly when a sampled request has a penalty."""
+    def _head_meta(self, sampled: Sequence[StepRequest], rows: int) -> dict:
+        """The packed metadata of the head plan: the in-step sampler's settings."""
+        return {"head": Packed.of(_sampling_fields(self._sampling(sampled, rows)))}
+
+    def _resample_meta(self, sampled: Sequence[StepRequest], rows: int,
+                       penalized: bool | None = None) -> tuple[bool, dict]:
+        """(whether the penalized resample plan runs, its packed metadata): the penalized plan
+        also takes each row's output-token counts. ``penalized`` None: exactly when a sampled
+        request has a penalty."""
         if penalized is None:
             penalized = any(r.params.has_penalties for r in sampled)
-        fields = _sampling_fields(sampling)
+        fields = _sampling_fields(self._sampling(sampled, rows))
         if penalized:
             fields["counts"] = self._counts(sampled, rows)
         return penalized, {"penalized-sample" if penalized else "sample": Packed.of(fields)}
+
+    def _finish_sampling(self, sampled: Sequence[StepRequest], rows: int,
+                         out: dict[str, jax.Array], *, eager: bool = False) -> np.ndarray:
+        """The rows of a head or decode step's output (``sampled`` and ``logits``): the in-step
+        sampler's, or, when a request needs more, the full sampler's run on the logits (its
+        compiled plan, or op by op with ``eager``)."""
+        if not any(needs_full_sampler(r.params) for r in sampled):
+            return fetch_sampled(out["sampled"], len(sampled))
+        self.counters["resample_runs"] += 1
+        penalized, meta = self._resample_meta(sampled, rows)
+        logits = {"logits": out["logits"]}
+        if eager:
+            plan = self.penalized_resample_plan if penalized else self.resample_plan
+            result = run_eager(plan, logits, meta)
+        else:
+            plans = self._penalized_resamplers if penalized else self._resamplers
+            result = plans[rows].run(logits, meta)
+        return fetch_sampled(result["sampled"], len(sampled))
 
     def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[CompiledPlan, dict]:
         """The compiled decode step for ``requests`` (at most the largest decode bucket) and its
@@ -569,7 +587,7 @@ class ModelRunner:
         self.counters["padded_tokens"] += rows - len(requests)
         out = plan.run(self.kv_caches(), meta)
         self.store_kv_caches(out)
-        return fetch_sampled(out["sampled"], len(requests))
+        return self._finish_sampling(requests, rows, out)
 
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""
@@ -577,7 +595,7 @@ class ModelRunner:
         num_tokens = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += num_tokens
         inputs, attention, head = self.prefill_arrays(
-            requests, num_tokens, len(requests), sum(r.start_pos for r in requests))
+            requests, num_tokens, len(requests), len(requests))
         sampled_requests = [r for r in requests if r.sample]
         num_sampled = len(sampled_requests)
         with self.guard.allowed("eager forward"):
@@ -586,13 +604,9 @@ class ModelRunner:
             self.store_kv_caches(out)
             rows = {"rows": head["rows"][:num_sampled]}
             narrowed = run_eager(self.narrow_plan, {"hidden": out["hidden"]}, {"narrow": rows})
-            sampling = self._sampling(sampled_requests, num_sampled)
-            with_penalties, meta = self._head_meta(sampled_requests, num_sampled, sampling)
-            if with_penalties:
-                self.counters["penalized_head_runs"] += 1
-            plan = self.penalized_decoder_plan if with_penalties else self.decoder_plan
-            sampled = run_eager(plan, narrowed, meta)
-            return fetch_sampled(sampled["sampled"], num_sampled)
+            out = run_eager(self.decoder_plan, narrowed,
+                            self._head_meta(sampled_requests, num_sampled))
+            return self._finish_sampling(sampled_requests, num_sampled, out, eager=True)
 
     def kv_caches(self) -> dict[str, jax.Array]:
         """The paged KV cache as plan values (``k_pages.i``, ``v_pages.i``); donated per step."""
@@ -620,6 +634,32 @@ def _sampling_fields(sampling: SamplingArrays) -> dict[str, np.ndarray]:
     return {f"sampling.{name}": value for name, value in sampling._asdict().items()}
 
 
+def needs_full_sampler(params: SamplingParams) -> bool:
+    """Whether a request needs more than a decode step's in-step sampler (``_fast_sample``):
+    penalties, top-k or top-p truncation of a sampled row, or top log-probabilities."""
+    truncates = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
+    return params.has_penalties or truncates or bool(params.logprobs)
+
+
+def _fast_sample(meta: dict[str, jax.Array], logits: jax.Array) -> jax.Array:
+    """The in-step sampler: i32[rows, 2] of token id and log-prob bits, without top-k/top-p
+    truncation (no ``lax.top_k`` over the vocabulary) and without top log-probabilities."""
+    token_ids, logprobs = sample(logits, _unpack_sampling(meta), top_k_cap=0)
+    return jnp.stack([token_ids, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=1)
+
+
+def _full_sample(meta: dict[str, jax.Array], logits: jax.Array) -> jax.Array:
+    """The full sampler: one i32[rows, 2 + 2k] array (``step_output`` splits it) of token id,
+    log-prob bits, the k top ids and their log-prob bits, so fetching a step's results is one
+    device->host copy. Penalties apply when ``meta`` holds ``counts``."""
+    token_ids, logprobs = sample(logits, _unpack_sampling(meta), meta.get("counts"))
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    top_values, top_ids = top_logprobs(logits, k)
+    as_words = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([token_ids[:, None], as_words(logprobs)[:, None], top_ids,
+                            as_words(top_values)], axis=1)
+
+
 def _unpack_sampling(meta: dict[str, jax.Array]) -> SamplingArrays:
     return SamplingArrays(*(meta[f"sampling.{name}"] for name in SamplingArrays._fields))
 
@@ -631,8 +671,10 @@ def fetch_sampled(sampled: jax.Array, count: int) -> np.ndarray:
 
 
 def step_output(results: list[np.ndarray]) -> StepOutput:
-    """Split the packed rows: token id, logprob bits, k top ids, k top log-prob bits."""
-    joined = np.concatenate(results) if len(results) > 1 else results[0]
+    """Split the packed rows: token id, logprob bits, k top ids, k top log-prob bits. Results of
+    the in-step sampler (k = 0) are widened with zeros to join full-sampler results."""
+    width = max(r.shape[1] for r in results)
+    joined = np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in results])
     k = (joined.shape[1] - 2) // 2
     return StepOutput(
         token_ids=joined[:, 0].copy(),

@@ -7,6 +7,8 @@ Invariants:
   (the last sampled one), so every step can schedule it.
 * Preemption by recompute drops ``page_ids`` and ``num_computed_tokens`` but keeps ``token_ids``:
   the request later recomputes prompt and output alike, and never loses a generated token.
+  For a hybrid model it also gives back ``state_slot`` (the KDA state row), taken anew on
+  re-admission; ``restore_slot`` is the checkpoint row its first step after admission copies.
 * ``finish_reason`` is set exactly once, when the request leaves the engine: ``"stop"`` (EOS, a
   stop token or a stop string), ``"length"`` (max_tokens or the context length) or ``"abort"``.
 """
@@ -35,6 +37,8 @@ class Request:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     page_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
+    state_slot: int = -1  # live recurrent-state row while running (hybrid models), else -1
+    restore_slot: int = -1  # checkpoint row to copy into state_slot at the next step, else -1
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

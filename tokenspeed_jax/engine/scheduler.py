@@ -11,6 +11,13 @@ budget (``max_num_seqs``). Policy, in order:
    request first takes whatever full pages the prefix cache holds for its tokens, then as many
    new tokens as the budget allows (chunked prefill).
 
+Hybrid models (``state_slots``, recurrent KDA state): a request also needs a live state row to be
+admitted (it waits when none is free) and holds it until it finishes, is aborted or preempted. A
+prefix hit is kept only up to the longest boundary with a published state checkpoint (the rest of
+the hit pages go back); the request's first step copies that checkpoint into its own row. Each
+prefill step that starts on a KDA chunk and crosses a checkpoint boundary stores the state there
+when a checkpoint row is free or evictable.
+
 Invariants: no accepted request is ever dropped (preemption only delays it); at most
 ``max_num_seqs`` requests hold pages; a step never schedules more than the token budget; a
 request is in exactly one of ``waiting``, ``running`` or neither (finished).
@@ -26,6 +33,7 @@ import numpy as np
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request, RequestStatus
+from tokenspeed_jax.engine.state_slots import StateSlots
 
 
 @dataclasses.dataclass
@@ -47,12 +55,14 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        state_slots: StateSlots | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
@@ -77,8 +87,7 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             return
-        self.block_manager.free(request.page_ids)
-        request.page_ids = []
+        self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -109,6 +118,8 @@ class Scheduler:
             self.block_manager.commit(
                 request.page_ids, request.token_ids, request.num_computed_tokens
             )
+        if self.state_slots is not None:
+            self.state_slots.publish()
 
     def _grow(self, request: Request, num_new: int) -> int:
         """Give a running request pages for up to ``num_new`` more tokens; return how many fit.
@@ -134,10 +145,17 @@ class Scheduler:
         manager = self.block_manager
         return (num_pages_held + manager.num_free_pages) * manager.page_size - num_computed
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _release(self, request: Request) -> None:
+        """Give back a request's pages and state row."""
         self.block_manager.free(request.page_ids)
         request.page_ids = []
+        if request.state_slot >= 0:
+            self.state_slots.release(request.state_slot)
+        request.state_slot = request.restore_slot = -1
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -148,7 +166,9 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = manager.acquire_prefix(request.token_ids)
+            if self.state_slots is not None and not self.state_slots.num_free:
+                break
+            cached, restore = self._prefix_hit(request)
             num_cached = len(cached) * manager.page_size
             num_new = min(
                 request.num_tokens - num_cached, budget, self._tokens_that_fit(num_cached, len(cached))
@@ -160,6 +180,9 @@ class Scheduler:
             self.waiting.popleft()
             request.page_ids = cached + manager.allocate(need)
             request.num_computed_tokens = num_cached
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.acquire()
+                request.restore_slot = restore
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
                 self.prefix_query_tokens += request.num_tokens
@@ -169,12 +192,24 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
-    @staticmethod
-    def _build(scheduled: list[tuple[Request, int]]) -> ScheduledStep:
+    def _prefix_hit(self, request: Request) -> tuple[list[int], int]:
+        """The cached pages a request starts from, and the checkpoint row to restore (or -1)."""
+        manager = self.block_manager
+        cached = manager.acquire_prefix(request.token_ids)
+        if self.state_slots is None or not cached:
+            return cached, -1
+        keep, row = self.state_slots.find([manager.pages[p].hash for p in cached])
+        manager.free(cached[keep:])
+        return cached[:keep], row
+
+    def _build(self, scheduled: list[tuple[Request, int]]) -> ScheduledStep:
         step_requests = []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
+            checkpoint = -1
+            if self.state_slots is not None and self.block_manager.enable_prefix_caching:
+                checkpoint = self.state_slots.reserve(request.token_ids, start, end)
             step_requests.append(
                 StepRequest(
                     request_id=request.request_id,
@@ -184,6 +219,10 @@ class Scheduler:
                     sample=end == request.num_tokens,
                     params=request.params,
                     output_token_ids=request.output_token_ids,
+                    state_slot=request.state_slot,
+                    restore_slot=request.restore_slot,
+                    checkpoint_slot=checkpoint,
                 )
             )
+            request.restore_slot = -1
         return ScheduledStep(StepBatch(step_requests), [r for r, _ in scheduled])

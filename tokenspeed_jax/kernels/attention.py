@@ -1,4 +1,4 @@
-"""Attention at the break: paged K/V writes, prefill over the step and its cached context, decode.
+"""Attention at the break: paged K/V writes and decode (prefill: ``paged_prefill_attention``).
 
 The paged KV cache of one layer is ``k_pages, v_pages [Hkv, num_pages, page_size, Dh]`` (the
 layout of JAX's Pallas paged-attention op); slot ``s`` is page ``s // page_size``, row
@@ -7,11 +7,9 @@ layout of JAX's Pallas paged-attention op); slot ``s`` is page ``s // page_size`
 * ``write_kv`` writes token ``t`` at slot ``slot_mapping[t]``; a slot < 0 (a padding token) writes
   nothing (it is sent out of range and dropped), so padding never touches a real page.
 * A query reads only its own request's keys, positions 0..its own position (causal, prefix pages
-  included); a query with ``token_request < 0`` or position < 0 is padding and gets zeros.
-* Prefill attends over the step's own packed K/V (block-diagonal causal mask from per-token
-  request ids and positions) plus the cached context, gathered as a packed list of slots that
-  holds only the positions before each request's first token of this step. Its cost is
-  ``T x (T + context)``: no factor of the request count, nothing of ``max_model_len``.
+  included); a query with position < 0 is padding and gets zeros.
+* Prefill (``paged_prefill_attention.py``) writes the step's K/V first, then reads every query's
+  keys through its request's page table, like decode: its shapes never depend on the context.
 * Decode reads each request's pages up to its position: through the Pallas op on a GPU, through
   ``paged_decode_attention_reference`` (which gathers the whole page table) elsewhere; the choice
   is ``paged_attention_backend.DecodeKernel``, made once.
@@ -60,36 +58,6 @@ def gather_slots(pages: jax.Array, slots: jax.Array) -> jax.Array:
     flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
     picked = jnp.take(flat, slots.reshape(-1), axis=1, mode="clip")  # [Hkv, S, Dh]
     return jnp.swapaxes(picked, 0, 1).reshape(*slots.shape, num_kv_heads, head_dim)
-
-
-def paged_prefill_attention(
-    q: jax.Array,  # [T, Hq, Dh]
-    k: jax.Array,  # [T, Hkv, Dh]: this step's keys
-    v: jax.Array,  # [T, Hkv, Dh]
-    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
-    v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
-    token_request: jax.Array,  # i32[T]: request index of each token; < 0 = padding
-    positions: jax.Array,  # i32[T]; < 0 = padding
-    context_slots: jax.Array,  # i32[C]: cache slots of the requests' earlier positions
-    context_request: jax.Array,  # i32[C]: request index of each context slot; < 0 = padding
-    *,
-    scale: float,
-) -> jax.Array:  # [T, Hq, Dh]
-    """Causal attention of a packed batch of prompt pieces over themselves and their context.
-
-    Context slots hold positions before the first token of their request in this step, so every
-    query of that request may read them all; this step's keys are read causally.
-    """
-    real = positions >= 0
-    same = token_request[None, :] == token_request[:, None]
-    causal = positions[None, :] <= positions[:, None]
-    own = same & causal & real[None, :] & real[:, None]  # [T, T]
-    context = ((context_request[None, :] == token_request[:, None])
-               & (context_request[None, :] >= 0) & real[:, None])  # [T, C]
-    keys = jnp.concatenate([k.astype(k_pages.dtype), gather_slots(k_pages, context_slots)])
-    values = jnp.concatenate([v.astype(v_pages.dtype), gather_slots(v_pages, context_slots)])
-    mask = jnp.concatenate([own, context], axis=1)
-    return masked_attention(q[None], keys[None], values[None], mask[None], scale=scale)[0]
 
 
 def paged_decode_attention_reference(

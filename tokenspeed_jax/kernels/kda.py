@@ -3,14 +3,11 @@
 The function is the one `kda_ref` defines (token recurrence with per-channel decay and a delta
 rule). Prefill runs in two kernels over 64-token chunks:
 
-1. The per-chunk kernel, one program per (chunk, value head), all in parallel: the in-chunk part
-   of the WY/UT transform. It builds the strictly lower key-key matrix L and the causal query-key
-   matrix, inverts (I + L), and writes w, u, decayed q and k, the query-key matrix and the chunk's
-   total log decay. `ChunkConfig.intra` picks the version: "blocked" (`kda_intra`, 16 x 16
-   sub-blocks, all dots; the default) or "substitution" (`_substitution_intra_kernel`, the first
-   version: 64 x 64 forward substitution one row per step), kept until both are timed side by side
-   on the GPU.
-2. `_state_scan_kernel`, one program per (request, value head, block of V): walks the request's
+1. `intra_stage` (the kernel in `kda_intra`), one program per (chunk, value head), all in
+   parallel: the in-chunk part of the WY/UT transform, which does not depend on the state. It
+   builds the strictly lower key-key matrix L and the causal query-key matrix, inverts (I + L),
+   and writes w, u, decayed q and k and the query-key matrix.
+2. `scan_stage` (`_state_scan_kernel`), one program per (request, value head, block of V): walks the request's
    chunks in order, carrying the [K, block_v] fp32 state, and writes the output.
 
 Invariants:
@@ -47,13 +44,14 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_intra import SUB_BLOCK, dot, dot_nt, dot_tn, intra_chunk_kernel
+from tokenspeed_jax.kernels.kda_intra import intra_chunk_kernel
 from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
     fla_to_packed,
     prepare_qkg,
 )
+from tokenspeed_jax.kernels.kernel_math import dot, dot_tn
 
 __all__ = [
     "ChunkConfig",
@@ -68,103 +66,10 @@ class ChunkConfig:
     """Tuning knobs of the chunked prefill kernels."""
 
     block_v: int = 32  # V columns of state per scan program
-    key_split: int = 32  # K columns per step of the exact in-block decay products
-    # "substitution" (row-by-row over 64 x 64; the timed default) or "blocked" (kda_intra: 16 x 16
-    # sub-blocks; correct on the GPU, not yet timed, and slow to compile: see docs/benchmarks.md)
-    intra: str = "substitution"
+    key_split: int = 32  # K channels per step of the per-chunk kernel's products
     intra_num_warps: int = 8
     scan_num_warps: int = 4
-    num_stages: int = 2
-
-
-def _place_block(block, row0, col0, rows, cols):
-    """Embeds a [b, b] block at (row0, col0) of a zero [rows, cols] matrix, exactly (0/1 dots)."""
-    size = block.shape[0]
-    exact = lax.Precision.HIGHEST
-    to_cols = (lax.broadcasted_iota(jnp.int32, (size, cols), 1)
-               == lax.broadcasted_iota(jnp.int32, (size, cols), 0) + col0).astype(jnp.float32)
-    to_rows = (lax.broadcasted_iota(jnp.int32, (rows, size), 0)
-               == lax.broadcasted_iota(jnp.int32, (rows, size), 1) + row0).astype(jnp.float32)
-    return dot(to_rows, dot(block, to_cols, exact), exact)
-
-
-def _substitution_intra_kernel(
-    q_ref,  # [C, K]
-    k_ref,  # [C, K]
-    v_ref,  # [C, V]
-    gc_ref,  # [C, K] fp32, in-chunk cumulative log decay
-    beta_ref,  # [C]
-    qg_ref,  # [C, K]  scale * q * exp(gc)
-    w_ref,  # [C, K]  (I + L)^-1 (beta * exp(gc) * k)
-    kg_ref,  # [C, K]  k * exp(gc_last - gc)
-    u_ref,  # [C, V]  (I + L)^-1 (beta * v)
-    aqk_ref,  # [C, C]  causal scale * q_i . k_j * exp(gc_i - gc_j)
-    *,
-    scale: float,
-    key_split: int,
-    precision,
-):
-    f32 = jnp.float32
-    chunk, head_k = k_ref.shape
-    q = q_ref[...].astype(f32) * scale
-    k = k_ref[...].astype(f32)
-    gc = gc_ref[...]
-    beta = beta_ref[...].astype(f32)
-    num_sub = chunk // SUB_BLOCK
-
-    # Off-diagonal sub-blocks: row i of sub-block b and column j < 16b meet through the
-    # reference point r = 16b, exp(gc_i - gc_r) * exp(gc_r - gc_j), both factors <= 1.
-    row_sub = lax.broadcasted_iota(jnp.int32, (chunk, head_k), 0) // SUB_BLOCK
-    reference = jnp.zeros_like(gc)
-    for b in range(num_sub):
-        reference = jnp.where(row_sub == b, gc_ref[b * SUB_BLOCK, :][None, :], reference)
-    to_reference = jnp.exp(gc - reference)
-    k_left, q_left = k * to_reference, q * to_reference
-    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    kk = jnp.zeros((chunk, chunk), f32)
-    qk = jnp.zeros((chunk, chunk), f32)
-    for b in range(1, num_sub):
-        g_ref_row = gc_ref[b * SUB_BLOCK, :][None, :]
-        k_right = k * jnp.exp(jnp.minimum(g_ref_row - gc, 0.0))
-        in_block = (rows // SUB_BLOCK == b) & (cols < b * SUB_BLOCK)
-        kk += jnp.where(in_block, dot_nt(k_left, k_right, precision), 0.0)
-        qk += jnp.where(in_block, dot_nt(q_left, k_right, precision), 0.0)
-
-    # Diagonal sub-blocks: exact pairwise decays, a slice of K at a time.
-    sub_rows = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 0)
-    sub_cols = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 1)
-    for b in range(num_sub):
-        rows_b = pl.ds(b * SUB_BLOCK, SUB_BLOCK)
-        kk_b = jnp.zeros((SUB_BLOCK, SUB_BLOCK), f32)
-        qk_b = jnp.zeros((SUB_BLOCK, SUB_BLOCK), f32)
-        for start in range(0, head_k, key_split):
-            keys = pl.ds(start, key_split)
-            k_b = k_ref[rows_b, keys].astype(f32)
-            q_b = q_ref[rows_b, keys].astype(f32) * scale
-            g_b = gc_ref[rows_b, keys]
-            decayed_k = k_b[None, :, :] * jnp.exp(
-                jnp.minimum(g_b[:, None, :] - g_b[None, :, :], 0.0))  # [i, j, d]
-            kk_b += jnp.sum(k_b[:, None, :] * decayed_k, axis=-1)
-            qk_b += jnp.sum(q_b[:, None, :] * decayed_k, axis=-1)
-        row0 = b * SUB_BLOCK
-        kk += _place_block(jnp.where(sub_rows > sub_cols, kk_b, 0.0), row0, row0, chunk, chunk)
-        qk += _place_block(jnp.where(sub_rows >= sub_cols, qk_b, 0.0), row0, row0, chunk, chunk)
-
-    # T = (I + diag(beta) L)^-1 by forward substitution, one row per step.
-    lower = kk * beta[:, None]
-
-    def substitute(i, t):
-        l_row = jnp.sum(jnp.where(rows == i, lower, 0.0), axis=0)
-        return t - jnp.where(rows == i, jnp.sum(l_row[:, None] * t, axis=0)[None, :], 0.0)
-
-    t_mat = lax.fori_loop(1, chunk, substitute, (rows == cols).astype(f32))
-    decay = jnp.exp(gc)
-    w_ref[...] = dot(t_mat, k * decay * beta[:, None], precision).astype(w_ref.dtype)
-    u_ref[...] = dot(t_mat, v_ref[...].astype(f32) * beta[:, None], precision).astype(u_ref.dtype)
-    qg_ref[...] = (q * decay).astype(qg_ref.dtype)
-    kg_ref[...] = (k * jnp.exp(gc_ref[chunk - 1, :][None, :] - gc)).astype(kg_ref.dtype)
-    aqk_ref[...] = qk.astype(aqk_ref.dtype)
+    num_stages: int = 3  # load pipeline depth with bf16 operands; fp32 ones get at most 2
 
 
 def _state_scan_kernel(
@@ -217,6 +122,92 @@ def _state_scan_kernel(
     @pl.when(slot >= 0)
     def _():
         pool_out_ref[slot, head, :, cols] = state
+
+
+def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, config: ChunkConfig,
+                interpret: bool):
+    """The per-chunk kernel over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
+    g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]): returns qg, w, kg, u, aqk
+    [HV, NC, C, *] and glast [HV, NC, K] fp32."""
+    num_chunks, C, HV, K = g_c.shape
+    V = v_c.shape[-1]
+    key_split = min(config.key_split, K)
+    precision = lax.Precision.HIGHEST if v_c.dtype == jnp.float32 else lax.Precision.DEFAULT
+    dot_dtype = jnp.float32 if v_c.dtype == jnp.float32 else jnp.bfloat16
+    squeezed = pl.squeezed
+    qk_spec = pl.BlockSpec((squeezed, C, squeezed, K), lambda c, h: (c, 0, h // group, 0))
+    per_head_k = pl.BlockSpec((squeezed, C, squeezed, K), lambda c, h: (c, 0, h, 0))
+    per_head_v = pl.BlockSpec((squeezed, C, squeezed, V), lambda c, h: (c, 0, h, 0))
+    beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h: (c, 0, h))
+
+    def out_spec(width):
+        return pl.BlockSpec((squeezed, squeezed, C, width), lambda c, h: (h, c, 0, 0))
+
+    def chunked(width):
+        return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dot_dtype)
+
+    exact = (lax.Precision.HIGHEST if interpret or v_c.dtype == jnp.float32
+             else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    kernel = functools.partial(intra_chunk_kernel, scale=scale, key_split=key_split,
+                               precision=precision, exact=exact)
+    gc = jnp.cumsum(g_c, axis=1)
+    qg, w, kg, u, aqk = pl.pallas_call(
+        kernel,
+        grid=(num_chunks, HV),
+        in_specs=[qk_spec, qk_spec, per_head_v, per_head_k, beta_spec],
+        out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V), out_spec(C)],
+        out_shape=[chunked(K), chunked(K), chunked(K), chunked(V), chunked(C)],
+        compiler_params=pallas_backend.compiler_params(
+            num_warps=config.intra_num_warps, num_stages=_num_stages(config, dot_dtype)),
+        interpret=interpret,
+        name="kda_intra_chunk",
+    )(q_c, k_c, v_c, gc, beta_c)
+    return qg, w, kg, u, aqk, jnp.transpose(gc[:, -1], (1, 0, 2))
+
+
+def _num_stages(config: ChunkConfig, dot_dtype) -> int:
+    """Every stage of the scan's load pipeline holds a chunk's qg, w, kg, aqk and u slice; in
+    fp32 three stages exceed an H200 SM's shared memory (227 KB), so fp32 runs at most two."""
+    return config.num_stages if jnp.dtype(dot_dtype).itemsize == 2 else min(config.num_stages, 2)
+
+
+def _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots):
+    """[N, 5] int32 per request: chunk begin, checkpoint chunk, chunk end, slot, checkpoint slot
+    (checkpoint chunk = chunk begin and checkpoint slot = -1 where there is none)."""
+    num_requests = slots.shape[0]
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    ckpt_chunk, ckpt_slot = first_chunk[:-1], jnp.full((num_requests,), -1, jnp.int32)
+    if checkpoint_offsets is not None:
+        offsets = checkpoint_offsets.astype(jnp.int32)
+        has_ckpt = (checkpoint_slots >= 0) & (offsets > 0) & (offsets <= lengths)
+        ckpt_chunk = jnp.where(has_ckpt, first_chunk[:-1] + offsets // CHUNK_SIZE,
+                               first_chunk[:-1])
+        ckpt_slot = jnp.where(has_ckpt, checkpoint_slots.astype(jnp.int32), -1)
+    return jnp.stack(
+        [first_chunk[:-1], ckpt_chunk, first_chunk[1:], slots.astype(jnp.int32), ckpt_slot],
+        axis=1,
+    )
+
+
+def scan_stage(table, qg, w, kg, u, aqk, glast, state_pool, *, out_dtype, config: ChunkConfig,
+               interpret: bool):
+    """The sequential state scan over the per-chunk outputs: returns (o [HV, NC, C, V] in
+    out_dtype, updated pool)."""
+    HV, num_chunks, C, V = u.shape
+    block_v = min(config.block_v, V)
+    precision = lax.Precision.HIGHEST if u.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return pl.pallas_call(
+        functools.partial(_state_scan_kernel, block_v=block_v, precision=precision),
+        grid=(table.shape[0], HV, V // block_v),
+        out_shape=[jax.ShapeDtypeStruct((HV, num_chunks, C, V), out_dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+        input_output_aliases={7: 1},
+        compiler_params=pallas_backend.compiler_params(
+            num_warps=config.scan_num_warps, num_stages=_num_stages(config, u.dtype)),
+        interpret=interpret,
+        name="kda_state_scan",
+    )(table, qg, w, kg, u, aqk, glast, state_pool)
+
 
 
 def _chunk_layout(cu_seqlens, num_tokens: int, num_chunks: int):
@@ -288,12 +279,8 @@ def chunk_kda_prefill(
     key_split = min(config.key_split, K)
     if V % block_v or K % key_split:
         raise ValueError(f"{V=} must be a multiple of {block_v=} and {K=} of {key_split=}")
-    if config.intra not in ("blocked", "substitution"):
-        raise ValueError(f"config.intra must be 'blocked' or 'substitution', got {config.intra!r}")
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
-    precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
-    dot_dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
 
     q, k, g = prepare_qkg(q, k, g, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                           use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
@@ -302,69 +289,12 @@ def chunk_kda_prefill(
     token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)
     q_c, k_c, v_c, g_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, v, g, beta))
 
-    C = CHUNK_SIZE
-    squeezed = pl.squeezed
-    qk_spec = pl.BlockSpec((squeezed, C, squeezed, K), lambda c, h: (c, 0, h // group, 0))
-    per_head_k = pl.BlockSpec((squeezed, C, squeezed, K), lambda c, h: (c, 0, h, 0))
-    per_head_v = pl.BlockSpec((squeezed, C, squeezed, V), lambda c, h: (c, 0, h, 0))
-    beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h: (c, 0, h))
-
-    def out_spec(width):
-        return pl.BlockSpec((squeezed, squeezed, C, width), lambda c, h: (h, c, 0, 0))
-
-    def chunked(width, dtype):
-        return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dtype)
-
-    out_specs = [out_spec(K), out_spec(K), out_spec(K), out_spec(V), out_spec(C)]
-    out_shape = [chunked(K, dot_dtype), chunked(K, dot_dtype), chunked(K, dot_dtype),
-                 chunked(V, dot_dtype), chunked(C, dot_dtype)]
-    intra_params = {
-        "grid": (num_chunks, HV),
-        "in_specs": [qk_spec, qk_spec, per_head_v, per_head_k, beta_spec],
-        "compiler_params": pallas_backend.compiler_params(
-            num_warps=config.intra_num_warps, num_stages=config.num_stages),
-        "interpret": interpret,
-        "name": "kda_intra_chunk",
-    }
-    kernel_args = {"scale": scale, "key_split": key_split, "precision": precision}
-    if config.intra == "blocked":
-        qg, w, kg, u, aqk, glast = pl.pallas_call(
-            functools.partial(intra_chunk_kernel, **kernel_args),
-            out_specs=[*out_specs, pl.BlockSpec((squeezed, squeezed, K),
-                                                lambda c, h: (h, c, 0))],
-            out_shape=[*out_shape, jax.ShapeDtypeStruct((HV, num_chunks, K), jnp.float32)],
-            **intra_params,
-        )(q_c, k_c, v_c, g_c, beta_c)
-    else:
-        gc = jnp.cumsum(g_c, axis=1)
-        qg, w, kg, u, aqk = pl.pallas_call(
-            functools.partial(_substitution_intra_kernel, **kernel_args),
-            out_specs=out_specs, out_shape=out_shape, **intra_params,
-        )(q_c, k_c, v_c, gc, beta_c)
-        glast = jnp.transpose(gc[:, -1], (1, 0, 2))
-
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    ckpt_chunk, ckpt_slot = first_chunk[:-1], jnp.full((num_requests,), -1, jnp.int32)
-    if checkpoint_offsets is not None:
-        offsets = checkpoint_offsets.astype(jnp.int32)
-        has_ckpt = (checkpoint_slots >= 0) & (offsets > 0) & (offsets <= lengths)
-        ckpt_chunk = jnp.where(has_ckpt, first_chunk[:-1] + offsets // C, first_chunk[:-1])
-        ckpt_slot = jnp.where(has_ckpt, checkpoint_slots.astype(jnp.int32), -1)
-    table = jnp.stack(
-        [first_chunk[:-1], ckpt_chunk, first_chunk[1:], slots.astype(jnp.int32), ckpt_slot],
-        axis=1,
-    )
-    o_c, state_pool = pl.pallas_call(
-        functools.partial(_state_scan_kernel, block_v=block_v, precision=precision),
-        grid=(num_requests, HV, V // block_v),
-        out_shape=[chunked(V, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
-        input_output_aliases={7: 1},
-        compiler_params=pallas_backend.compiler_params(
-            num_warps=config.scan_num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="kda_state_scan",
-    )(table, qg, w, kg, u, aqk, glast, state_pool)
-    o_rows = jnp.transpose(o_c, (1, 2, 0, 3)).reshape(num_chunks * C, HV, V)
+    intra_out = intra_stage(q_c, k_c, v_c, g_c, beta_c, group=group, scale=scale,
+                            config=config, interpret=interpret)
+    table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
+    o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,
+                                 config=config, interpret=interpret)
+    o_rows = jnp.transpose(o_c, (1, 2, 0, 3)).reshape(num_chunks * CHUNK_SIZE, HV, V)
     o = jnp.take(o_rows, row_of_token, axis=0, mode="fill", fill_value=0)
     return o, state_pool
 

@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.attention_ref import cache_causal_mask, masked_attention
 from tokenspeed_jax.models import hf_checkpoint
 from tokenspeed_jax.models.kimi_linear_layers import (
@@ -55,6 +57,7 @@ from tokenspeed_jax.models.moe import KimiMoE, SwiGLU
 
 MODEL_TYPE = "kimi_linear"
 KDA, MLA = "kda", "mla"
+NO_POSITION_LIMIT = 2**31 - 1  # positions are int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,11 @@ class KimiLinearConfig:
     @property
     def mla_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == MLA)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """No position table (NoPE MLA, KDA): the model itself sets no context limit."""
+        return NO_POSITION_LIMIT
 
     @property
     def latent_dim(self) -> int:
@@ -217,32 +225,37 @@ class KimiDecoderLayer(nnx.Module):
                 rngs=rngs, **kw)
         self.dtype = dtype
 
-    def _feed_forward(self, hidden: jax.Array, mixed: jax.Array) -> jax.Array:
+    def _feed_forward(self, hidden: jax.Array, mixed: jax.Array, mesh: Mesh | None) -> jax.Array:
         hidden = hidden.astype(self.dtype) + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh)
 
     def kda_inputs(self, hidden: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> tuple:
         """hidden [T, D] -> (q, k, v, g, beta, gate, conv pool); see ``KimiDeltaAttention``."""
         return self.self_attn.inputs(self.input_layernorm(hidden), conv_pool, meta)
 
-    def kda_outputs(self, hidden: jax.Array, o: jax.Array, gate: jax.Array) -> jax.Array:
+    def kda_outputs(self, hidden: jax.Array, o: jax.Array, gate: jax.Array, *,
+                    mesh: Mesh | None = None) -> jax.Array:
         """The layer's input residual, KDA output and gate -> the layer's output [T, D]."""
-        return self._feed_forward(hidden, self.self_attn.outputs(o, gate))
+        return self._feed_forward(hidden, self.self_attn.outputs(o, gate), mesh)
 
     def kda_block(self, hidden: jax.Array, conv_pool: jax.Array, state_pool: jax.Array,
-                  meta: KdaMeta, *, impl: KdaImpl, decode: bool = False) -> tuple:
-        """The whole KDA layer: (hidden, conv pool, state pool)."""
+                  meta: KdaMeta, *, impl: KdaImpl, decode: bool = False,
+                  mesh: Mesh | None = None) -> tuple:
+        """The whole KDA layer: (hidden, conv pool, state pool). ``mesh``: the weights are split
+        over it (``parallel``); the Pallas kernels and the experts run per shard."""
         q, k, v, g, beta, gate, conv_pool = self.kda_inputs(hidden, conv_pool, meta)
-        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode)
-        return self.kda_outputs(hidden, o, gate), conv_pool, state_pool
+        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
+                                 mesh=mesh)
+        return self.kda_outputs(hidden, o, gate, mesh=mesh), conv_pool, state_pool
 
     def mla_inputs(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
         """hidden [..., D] -> (absorbed query [..., H, R + r], latent row [..., R + r])."""
         return self.self_attn.inputs(self.input_layernorm(hidden))
 
-    def mla_outputs(self, hidden: jax.Array, attn: jax.Array) -> jax.Array:
+    def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *,
+                    mesh: Mesh | None = None) -> jax.Array:
         """The layer's input residual and latent attention [..., H, R] -> output [..., D]."""
-        return self._feed_forward(hidden, self.self_attn.outputs(attn))
+        return self._feed_forward(hidden, self.self_attn.outputs(attn), mesh)
 
 
 @jax.tree_util.register_dataclass
@@ -443,8 +456,19 @@ def build_kimi_model(
     *,
     dtype: Any = jnp.float32,
     source: str = "checkpoint",
+    mesh: Mesh | None = None,
 ) -> KimiLinearForCausalLM:
-    """Fill an abstract model from (checkpoint name, array) pairs; see the module invariants."""
+    """Fill an abstract model from (checkpoint name, array) pairs; see the module invariants.
+    ``mesh``: each parameter goes from the host straight onto its tensor-parallel sharding."""
+    if mesh is not None:
+        parallel.check_kimi(config, mesh.size)
+
+    def place(path: tuple, value: np.ndarray, target_dtype: Any) -> jax.Array:
+        if mesh is None:
+            return jnp.asarray(value, dtype=target_dtype)
+        return jax.device_put(np.asarray(value).astype(target_dtype),
+                              parallel.param_sharding(path, config, mesh))
+
     graphdef, state = nnx.split(abstract_kimi_model(config, dtype))
     weight_map = kimi_weight_map(config)
     values = state.to_pure_dict()
@@ -462,7 +486,7 @@ def build_kimi_model(
         target_dtype = node[leaf].dtype
         value = entry.transform(np.asarray(array))
         if entry.expert is None:
-            node[leaf] = jnp.asarray(value, dtype=target_dtype)
+            node[leaf] = place(entry.path, value, target_dtype)
         else:
             if entry.path not in stacks:
                 stacks[entry.path] = np.empty(node[leaf].shape, value.dtype)
@@ -471,7 +495,7 @@ def build_kimi_model(
     hf_checkpoint.check_all_used(source, MODEL_TYPE, unused, weight_map, filled)
     for path, stacked in stacks.items():
         node, leaf = hf_checkpoint.leaf_holder(values, path)
-        node[leaf] = jnp.asarray(stacked, dtype=node[leaf].dtype)
+        node[leaf] = place(path, stacked, node[leaf].dtype)
     state.replace_by_pure_dict(values)
     return nnx.merge(graphdef, state)
 
@@ -485,11 +509,14 @@ def is_kimi_dir(path: Path) -> bool:
     return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
 
 
-def load_kimi_hf(path: str | os.PathLike, dtype: Any) -> tuple[KimiLinearConfig,
-                                                               KimiLinearForCausalLM]:
-    """Config and model of a Kimi-Linear HF directory, weights in ``dtype``."""
+def load_kimi_hf(path: str | os.PathLike, dtype: Any, mesh: Mesh | None = None
+                 ) -> tuple[KimiLinearConfig, KimiLinearForCausalLM]:
+    """Config and model of a Kimi-Linear HF directory, weights in ``dtype`` (sharded over
+    ``mesh`` when given)."""
     root = Path(path)
     config = KimiLinearConfig.from_hf(hf_checkpoint.read_json(root / "config.json"))
+    if mesh is not None:
+        parallel.check_kimi(config, mesh.size)
     model = build_kimi_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=dtype,
-                             source=str(root))
+                             source=str(root), mesh=mesh)
     return config, model

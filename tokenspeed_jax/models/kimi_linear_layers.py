@@ -3,7 +3,7 @@
 One KDA layer, on the normed hidden ``x [T, D]`` of a packed batch (requests delimited by
 ``cu_seqlens [N + 1]``, request ``n`` owning state row ``slots[n]`` of both pools):
 
-    q, k, v  = silu(short_conv(x @ {q,k,v}_proj))        conv state: conv pool [P, W - 1, 3 H K]
+    q, k, v  = silu(short_conv(x @ {q,k,v}_proj))        conv state: conv pool [P, W - 1, H 3 K]
     g        = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)    (float32, log-space decay)
     beta     = sigmoid(x @ b_proj)
     o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, K, V] fp32
@@ -11,6 +11,10 @@ One KDA layer, on the normed hidden ``x [T, D]`` of a packed batch (requests del
 
 Invariants:
 
+* The conv channels are head-major (``[H, 3, K]``: head h's q, k, v channels side by side), so
+  splitting them into N equal parts splits them by head (tensor parallelism).
+* With a ``mesh`` the Pallas KDA kernels run per shard under ``jax.shard_map``, heads split over
+  ``parallel.AXIS`` (heads are independent; the metadata is replicated).
 * A request with ``slots[n] < 0`` is padding: it reads zero states and writes neither pool.
 * Checkpoints: when ``checkpoint_slots[n] >= 0`` the request also stores both states as they are
   after ``checkpoint_offsets[n]`` of its tokens into row ``checkpoint_slots[n]`` (the offset is a
@@ -27,13 +31,16 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.kda import chunk_kda_prefill
 from tokenspeed_jax.kernels.kda_decode import kda_decode
 from tokenspeed_jax.kernels.kda_ref import kda_gate, recurrent_kda_reference
@@ -93,22 +100,36 @@ def _kda_reference(q, k, v, g, beta, pool, meta: KdaMeta):
     return out, pool
 
 
-def kda_core(q, k, v, g, beta, state_pool, meta: KdaMeta, *, impl: KdaImpl, decode: bool):
-    """KDA over packed q, k [T, H, K], v [T, H, V], log decay g [T, H, K], beta [T, H].
-
-    Returns (o [T, H, V], updated state pool). ``decode`` (one token per request, no
-    checkpoints) selects the recurrent kernel on the Pallas path.
-    """
-    if impl == "reference":
-        return _kda_reference(q, k, v, g, beta, state_pool, meta)
-    if impl != "pallas":
-        raise ValueError(f"unknown KDA implementation {impl!r}; expected one of {KDA_IMPLS}")
+def _kda_kernels(q, k, v, g, beta, state_pool, meta: KdaMeta, *, decode: bool):
     if decode:
         return kda_decode(q, k, v, g, beta, state_pool, meta.slots,
                           use_qk_l2norm_in_kernel=True)
     return chunk_kda_prefill(q, k, v, g, beta, state_pool, meta.slots, meta.cu_seqlens,
                              meta.checkpoint_offsets, meta.checkpoint_slots,
                              use_qk_l2norm_in_kernel=True)
+
+
+def kda_core(q, k, v, g, beta, state_pool, meta: KdaMeta, *, impl: KdaImpl, decode: bool,
+             mesh: Mesh | None = None):
+    """KDA over packed q, k [T, H, K], v [T, H, V], log decay g [T, H, K], beta [T, H].
+
+    Returns (o [T, H, V], updated state pool). ``decode`` (one token per request, no
+    checkpoints) selects the recurrent kernel on the Pallas path. ``mesh``: the Pallas kernels
+    run per shard of the heads (the reference is plain JAX, partitioned by XLA).
+    """
+    if impl == "reference":
+        return _kda_reference(q, k, v, g, beta, state_pool, meta)
+    if impl != "pallas":
+        raise ValueError(f"unknown KDA implementation {impl!r}; expected one of {KDA_IMPLS}")
+    kernels = functools.partial(_kda_kernels, decode=decode)
+    if mesh is None:
+        return kernels(q, k, v, g, beta, state_pool, meta)
+    heads, pool = parallel.head_spec(3), parallel.head_spec(4)
+    per_shard = jax.shard_map(
+        kernels, mesh=mesh, in_specs=(heads, heads, heads, heads, parallel.head_spec(2), pool,
+                                      PartitionSpec()),
+        out_specs=(heads, pool), check_vma=False)
+    return per_shard(q, k, v, g, beta, state_pool, meta)
 
 
 def conv_checkpoint(x: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> jax.Array:
@@ -157,18 +178,18 @@ class KimiDeltaAttention(nnx.Module):
     def inputs(self, x: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> tuple:
         """Normed hidden [T, D] -> (q, k, v [T, H, K], g fp32, beta [T, H], gate [T, H, K],
         updated conv pool)."""
-        def project(name: str) -> jax.Array:
-            out = linear("TD,DHK->THK", x, getattr(self, f"{name}_proj"), self.dtype)
-            return out.reshape(x.shape[0], -1)
-
-        mixed = jnp.concatenate([project(n) for n in "qkv"], axis=-1)
-        weight = jnp.concatenate([self.q_conv[...], self.k_conv[...], self.v_conv[...]], axis=0)
+        h, dim, tokens = self.num_heads, self.head_dim, x.shape[0]
+        # channels head-major [H, 3, K] (module invariants)
+        mixed = jnp.stack([linear("TD,DHK->THK", x, getattr(self, f"{n}_proj"), self.dtype)
+                           for n in "qkv"], axis=2).reshape(tokens, 3 * h * dim)
+        weight = jnp.stack([getattr(self, f"{n}_conv")[...].reshape(h, dim, self.conv_size)
+                            for n in "qkv"], axis=1).reshape(3 * h * dim, self.conv_size)
         conv_out, conv_pool = short_conv_pool(
             mixed, weight, conv_pool, jnp.asarray(meta.slots, jnp.int32),
             jnp.asarray(meta.cu_seqlens, jnp.int32), activation="silu")
         conv_pool = conv_checkpoint(mixed, conv_pool, meta)
-        q, k, v = (part.reshape(x.shape[0], self.num_heads, self.head_dim)
-                   for part in jnp.split(conv_out, 3, axis=-1))
+        conv_out = conv_out.reshape(tokens, h, 3, dim)
+        q, k, v = (conv_out[:, :, i] for i in range(3))
         f = linear("TD,DK->TK", x, self.f_a_proj, self.dtype)
         g = kda_gate(linear("TK,KHJ->THJ", f, self.f_b_proj, self.dtype), self.A_log[...],
                      self.dt_bias[...])
@@ -186,8 +207,9 @@ class KimiDeltaAttention(nnx.Module):
         return linear("THK,HKD->TD", gated.astype(self.dtype), self.o_proj, self.dtype)
 
     def __call__(self, x: jax.Array, conv_pool: jax.Array, state_pool: jax.Array, meta: KdaMeta,
-                 *, impl: KdaImpl, decode: bool = False) -> tuple:
+                 *, impl: KdaImpl, decode: bool = False, mesh: Mesh | None = None) -> tuple:
         """The whole mixer: (out [T, D], conv pool, state pool)."""
         q, k, v, g, beta, gate, conv_pool = self.inputs(x, conv_pool, meta)
-        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode)
+        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
+                                 mesh=mesh)
         return self.outputs(o, gate), conv_pool, state_pool

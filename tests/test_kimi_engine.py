@@ -1,0 +1,185 @@
+"""Kimi-Linear behind ``LLM`` and the server: KimiRunner under the scheduler, KDA state rows per
+request, prefix caching through KDA checkpoints.
+
+Expectations come from HF transformers' golden greedy tokens and from the hybrid reference
+generator (the model's plain forward, one unpadded prompt at a time), never from the engine. The
+engine runs with a KV cache of 12 pages of 16 tokens, so batched traffic forces preemption.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import tokenizers
+from test_server import running_server
+
+from tokenspeed_jax import LLM, SamplingParams
+from tokenspeed_jax.engine.engine import AsyncEngine
+from tokenspeed_jax.server.app import ServerState
+from tokenspeed_jax.tokenizer import Tokenizer
+
+GOLDEN = Path(__file__).parent / "golden"
+VOCAB = 256
+OPTIONS = {
+    "dtype": "float32",
+    "prefill_graph_max_tokens": 128,
+    "prefill_graph_capture_token_sizes": (128,),
+    "prefill_graph_capture_batch_sizes": (4,),
+    "decode_graph_capture_batch_sizes": (4,),
+    "max_num_seqs": 4,
+    "max_model_len": 192,
+    "num_pages": 12,
+    "page_size": 16,
+    "prefix_granularity": 64,
+    "strict_no_compile": True,
+    "compile_progress": False,
+}
+
+
+ATOL = 2e-4  # fp32; chunked KDA and paged MLA only reorder float sums
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+def logprobs(completion) -> np.ndarray:
+    return np.array([lp.logprob for lp in completion.logprobs])
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory) -> Path:
+    """The tiny Kimi checkpoint with a word-level tokenizer over its 256 ids (w0 .. w255)."""
+    path = tmp_path_factory.mktemp("tiny_kimi")
+    for name in ("config.json", "model.safetensors"):
+        os.symlink((GOLDEN / "tiny_kimi" / name).resolve(), path / name)
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    template = ("{% for m in messages %}w1 {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w3{% endif %}")
+    Tokenizer(backend, chat_template=template, eos_token="w2").save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(kimi_dir) -> LLM:
+    return LLM(kimi_dir, **OPTIONS)
+
+
+def random_prompts(seed: int, *lengths: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, n).tolist() for n in lengths]
+
+
+def reference_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    completions = llm.reference.generate(prompts, [greedy(max_tokens)] * len(prompts))
+    return [c.token_ids for c in completions]
+
+
+def test_build_engine_picks_the_kimi_runner_with_a_state_pool(llm):
+    from tokenspeed_jax.engine.kimi_runner import KimiRunner
+
+    assert isinstance(llm.runner, KimiRunner)
+    # max_num_seqs live rows, as many checkpoint rows (prefix caching is on)
+    assert llm.runner.num_state_slots == 2 * OPTIONS["max_num_seqs"]
+    assert llm.engine.state_slots.num_live == OPTIONS["max_num_seqs"]
+
+
+def test_greedy_matches_transformers_golden_tokens(llm):
+    data = np.load(GOLDEN / "tiny_kimi.npz")
+    prompts = data["prompt_ids"].tolist()
+    outs = llm.generate(prompts, greedy(data["greedy_ids"].shape[1]))
+    assert [o.token_ids for o in outs] == data["greedy_ids"].tolist()
+    assert llm.stats()["runtime_compiles"] == 0
+
+
+def test_mixed_lengths_batched_with_preemption_match_reference(llm):
+    prompts = random_prompts(1, 5, 37, 70, 100)
+    params = greedy(24, logprobs=0)
+    before = llm.stats()
+    outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    expected = llm.reference.generate(prompts, [params] * len(prompts))
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    for out, want in zip(outs, expected):
+        np.testing.assert_allclose(logprobs(out), logprobs(want), atol=ATOL)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert stats["num_preemptions"] > before["num_preemptions"]  # 12 pages cannot hold all four
+    assert stats["inline_runs"] > before["inline_runs"]
+    assert stats["decode_runs"] > before["decode_runs"]
+    assert stats["runtime_compiles"] == 0
+    assert stats["state_slots_used"] == 0
+
+
+def test_prefix_hit_restores_the_kda_checkpoint(llm):
+    (prompt,) = random_prompts(2, 170)  # chunks 0..128 (checkpoint at 128) and 128..170
+    params = greedy(8, logprobs=0)
+    (miss,) = llm.generate([prompt], params)
+    before = llm.stats()
+    (hit,) = llm.generate([prompt], params)
+    after = llm.stats()
+    (expected,) = llm.reference.generate([prompt], [params])
+    assert hit.token_ids == miss.token_ids == expected.token_ids
+    # log-probabilities see a wrong KDA state even where the greedy tokens do not
+    np.testing.assert_allclose(logprobs(hit), logprobs(expected), atol=ATOL)
+    np.testing.assert_allclose(logprobs(miss), logprobs(expected), atol=ATOL)
+    assert after["kda_checkpoint_hits"] == before["kda_checkpoint_hits"] + 1
+    assert after["restores"] == before["restores"] + 1
+    # the pages hold 160 cached tokens; the hit is cut back to the checkpoint at 128
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 128
+
+
+def test_prefix_hit_without_a_checkpoint_is_cut_to_zero(llm):
+    (base,) = random_prompts(3, 100)  # one chunk: its only checkpoint is at 64
+    (other,) = random_prompts(4, 30)
+    llm.generate([base], greedy(2))
+    before = llm.stats()
+    prompt = base[:50] + other  # shares 3 pages (48 tokens), which end before any checkpoint
+    (out,) = llm.generate([prompt], greedy(6))
+    after = llm.stats()
+    assert out.token_ids == reference_tokens(llm, [prompt], 6)[0]
+    assert after["prefix_hit_tokens"] == before["prefix_hit_tokens"]
+    assert after["kda_checkpoint_hits"] == before["kda_checkpoint_hits"]
+
+
+def test_abort_frees_the_state_slot(llm):
+    engine = llm.engine
+    (prompt,) = random_prompts(5, 20)
+    engine.add_request("to-abort", prompt, greedy(50))
+    engine.step()
+    assert llm.stats()["state_slots_used"] == 1
+    output = engine.abort("to-abort")
+    assert output.finished and output.finish_reason == "abort"
+    assert llm.stats()["state_slots_used"] == 0
+    assert not engine.has_unfinished
+
+
+def test_penalized_request_is_rejected_before_anything_is_admitted(llm):
+    with pytest.raises(ValueError, match="penalties"):
+        llm.generate([[5, 6, 7], [8, 9]], [greedy(4), greedy(4, repetition_penalty=1.3)])
+    assert not llm.engine.has_unfinished
+
+
+def test_server_answers_a_chat_request(llm):
+    """Last in the module: the server's engine thread takes over ``llm.engine``."""
+    messages = [{"role": "user", "content": "w10 w11 w12 w13"}]
+    prompt_ids = llm.tokenizer.encode(llm.chat_prompts(messages)[0])
+    expected = llm.reference.generate([prompt_ids], [greedy(6)])[0]
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    try:
+        with running_server(ServerState("tiny-kimi", engine, llm.runner.stats)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            response = client.chat.completions.create(
+                model="tiny-kimi", messages=messages, max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.completion_tokens == 6
+    assert response.usage.prompt_tokens == len(prompt_ids)

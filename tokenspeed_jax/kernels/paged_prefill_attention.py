@@ -1,0 +1,369 @@
+"""Ragged paged prefill attention: each query token over its own request's pages, 0..its position.
+
+The attention break first writes the step's new K/V into the pages (``attention.write_kv``), so a
+request's cached prefix and this step's keys are one thing: slots of its page table. Every query
+token then reads its request's keys at positions 0..its own position through that page table.
+All shapes are fixed by the token bucket and the number of page-table rows, never by how much
+context is cached: one executable per token bucket serves every context length.
+
+Inputs: ``q [T, Hq, Dh]``; pages ``[Hkv, num_pages, page_size, Dh]`` (the cache layout of
+``attention.py``); ``page_tables i32[rows, pages_per_row]``; per token ``token_request`` (its
+row) and ``positions``. Invariants:
+
+* A token with ``token_request < 0`` or position < 0 is padding: it gets zeros and reads nothing.
+* Query head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA); scores and softmax run in float32,
+  fp32 inputs with exact fp32 dots: the arithmetic of ``attention_ref.masked_attention``.
+* Page-table entries past a row's last position may hold any valid page id: they are masked.
+
+Two implementations of one function, chosen once and statically by ``choose_prefill_kernel``:
+
+* ``ragged_paged_prefill_attention``, a Pallas GPU kernel (flash-attention online softmax). The
+  host cuts the packed tokens into *work items* (``prefill_work``): up to ``block_q`` consecutive
+  tokens of one row, ``i32[items, 4]`` = (row, first token, end token, live keys), live keys being
+  the last token's position + 1. One program per (item, query head) loops over
+  ``cdiv(live keys, block_k)`` key blocks read through the row's page table, so the cost follows
+  the live context, not ``max_model_len``. It loads ``block_q`` query rows at a dynamic offset
+  kept inside ``[0, T)`` and stores only its own rows.
+* ``ragged_paged_prefill_attention_reference``, plain JAX (the CPU path): per page-table row, all
+  queries against that row's keys, in chunks of ``REFERENCE_CHUNK_SLOTS`` slots up to the row's
+  live keys, each token taking the result of its own row. It needs no work items.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.attention import gather_slots
+from tokenspeed_jax.kernels.attention_ref import HIGHEST
+from tokenspeed_jax.kernels.kernel_math import dot, dot_nt, is_power_of_2
+from tokenspeed_jax.kernels.paged_attention_backend import (
+    MIN_DOT_DIM,
+    PALLAS,
+    REFERENCE,
+    paged_cache_problem,
+)
+
+logger = logging.getLogger(__name__)
+
+LOG2E = math.log2(math.e)  # scores are taken in base 2: exp(x) = exp2(x * log2(e))
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: an all-masked block makes no NaN
+REFERENCE_CHUNK_SLOTS = 256  # key slots per step of the reference's loop over a row's pages
+WORK_FIELDS = 4  # row, first token, end token, live keys
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBlocks:
+    """Tuning knobs of the Pallas kernel."""
+
+    block_q: int = 64  # query tokens per program (a power of 2 >= 16)
+    pages_per_block: int = 4  # pages per key block; block_k = pages_per_block * page_size
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if not is_power_of_2(self.block_q) or not is_power_of_2(self.pages_per_block):
+            raise ValueError(f"block_q={self.block_q} and pages_per_block="
+                             f"{self.pages_per_block} must be powers of 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillKernel:
+    """How prefill attention runs: the backend, the kernel's knobs, and interpretation."""
+
+    backend: str = REFERENCE
+    blocks: PrefillBlocks = PrefillBlocks()
+    interpret: bool = False  # run the Pallas kernel in the interpreter (tests on the CPU)
+
+    def __post_init__(self) -> None:
+        if self.backend not in (PALLAS, REFERENCE):
+            raise ValueError(f"backend={self.backend!r} must be {PALLAS!r} or {REFERENCE!r}")
+
+
+REFERENCE_PREFILL = PrefillKernel(REFERENCE)
+
+
+# ----------------------------------------------------------------------------- work items
+
+
+def num_work_items(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """The static work-item count of a token bucket: enough for any packing of ``num_tokens``
+    tokens in at most ``num_rows`` rows plus one padding run (each run wastes < one block)."""
+    return -(-num_tokens // block_q) + num_rows + 1
+
+
+def prefill_work(token_request: np.ndarray, positions: np.ndarray, *, num_rows: int,
+                 block_q: int) -> np.ndarray:
+    """i32[num_work_items, 4] work items of a packed step: (row, first token, end token, keys).
+
+    A run is a stretch of tokens of one row with consecutive positions, or of padding; each run
+    is cut into items of at most ``block_q`` tokens. Padding items have row -1 and 0 keys (their
+    tokens get zeros); unused items are (-1, 0, 0, 0) and touch nothing.
+    """
+    token_request = np.asarray(token_request, np.int64)
+    positions = np.asarray(positions, np.int64)
+    num_tokens = len(token_request)
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions shape {positions.shape} != token_request's ({num_tokens},)")
+    if np.any(token_request >= num_rows):
+        raise ValueError(f"token_request max {token_request.max()} >= num_rows={num_rows}")
+    padding = (token_request < 0) | (positions < 0)
+    rows = np.where(padding, -1, token_request)
+    starts = np.ones(num_tokens, bool)
+    starts[1:] = (rows[1:] != rows[:-1]) | (~padding[1:] & (positions[1:] != positions[:-1] + 1))
+    run_start = np.flatnonzero(starts)
+    offset = np.arange(num_tokens) - run_start[np.cumsum(starts) - 1]
+    first = np.flatnonzero(offset % block_q == 0)
+    end = np.append(first[1:], num_tokens)
+    count = num_work_items(num_tokens, num_rows, block_q)
+    if len(first) > count:
+        raise ValueError(f"{len(first)} work items exceed {count} for {num_tokens} tokens in "
+                         f"{num_rows} rows (block_q={block_q}): a row's tokens must be one run "
+                         f"of consecutive positions")
+    work = np.zeros((count, WORK_FIELDS), np.int32)
+    work[:, 0] = -1
+    item_rows = rows[first]
+    work[:len(first), 0] = item_rows
+    work[:len(first), 1] = first
+    work[:len(first), 2] = end
+    work[:len(first), 3] = np.where(item_rows >= 0, positions[end - 1] + 1, 0)
+    return work
+
+
+# ----------------------------------------------------------------------------- Pallas kernel
+
+
+def _prefill_kernel(
+    work_ref,  # i32[items, 4]: row, first token, end token, live keys
+    positions_ref,  # i32[T]
+    page_tables_ref,  # i32[rows, pages_per_row]
+    q_ref,  # [T, Dh]: one query head
+    k_pages_ref,  # [num_pages, page_size, Dh]: its KV head
+    v_pages_ref,  # [num_pages, page_size, Dh]
+    o_ref,  # [T, Dh]
+    *,
+    scale: float,
+    block_q: int,
+    pages_per_block: int,
+    precision: lax.Precision,
+):
+    item = pl.program_id(0)
+    row, first, end, keys = (work_ref[item, field] for field in range(WORK_FIELDS))
+    num_tokens, head_dim = q_ref.shape
+    block_k = pages_per_block * k_pages_ref.shape[1]
+    base = jnp.minimum(first, num_tokens - block_q)  # the block stays inside [0, T)
+    tokens = pl.ds(base, block_q)
+    q = q_ref[tokens, :]
+    query_pos = positions_ref[tokens]
+    table_row = jnp.maximum(row, 0)
+
+    def key_block(index, carry):
+        acc, row_max, row_sum = carry
+        pages = page_tables_ref[table_row, pl.ds(index * pages_per_block, pages_per_block)]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        scores = dot_nt(q, k, precision) * (scale * LOG2E)  # [block_q, block_k]
+        key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+        scores = jnp.where(key_pos <= query_pos[:, None], scores, MASK_VALUE)
+        new_max = jnp.maximum(row_max, scores.max(axis=1))
+        correction = jnp.exp2(row_max - new_max)
+        weights = jnp.exp2(scores - new_max[:, None])
+        row_sum = row_sum * correction + weights.sum(axis=1)
+        acc = acc * correction[:, None] + dot(weights.astype(v.dtype), v, precision)
+        return acc, new_max, row_sum
+
+    init = (jnp.zeros((block_q, head_dim), jnp.float32),
+            jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, _, row_sum = lax.fori_loop(0, pl.cdiv(keys, block_k), key_block, init)
+    out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]  # padding items: 0 / 1
+    token = base + lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0)
+    own = (token >= first) & (token < end)
+    pallas_backend.masked_store(o_ref.at[tokens, :], out.astype(o_ref.dtype), own)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret", "name"))
+def ragged_paged_prefill_attention(
+    q: jax.Array,  # [T, Hq, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh], this step's K already written
+    v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    page_tables: jax.Array,  # i32[rows, pages_per_row]
+    positions: jax.Array,  # i32[T]; < 0 = padding
+    work: jax.Array,  # i32[items, 4] from ``prefill_work`` with the same block_q
+    *,
+    scale: float,
+    blocks: PrefillBlocks = PrefillBlocks(),
+    interpret: bool | None = None,
+    name: str = "ragged_paged_prefill_attention",
+) -> jax.Array:  # [T, Hq, Dh]
+    """Each query token over its row's keys 0..its position, as one Pallas call."""
+    interpret = pallas_backend.resolve_interpret(interpret)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+    if work.shape[1:] != (WORK_FIELDS,) or positions.shape != (num_tokens,):
+        raise ValueError(f"work shape {work.shape} must be [items, {WORK_FIELDS}] and positions "
+                         f"shape {positions.shape} must be ({num_tokens},)")
+    block_q, per_block = blocks.block_q, blocks.pages_per_block
+    padded_tokens = max(num_tokens, block_q)  # a bucket smaller than one block is padded to it
+    if padded_tokens > num_tokens:
+        q = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+        positions = jnp.pad(positions, (0, padded_tokens - num_tokens), constant_values=-1)
+    width = page_tables.shape[1]
+    if width % per_block:
+        page_tables = jnp.pad(page_tables, ((0, 0), (0, per_block - width % per_block)))
+    group = num_q_heads // num_kv_heads
+    precision = HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    whole = pl.BlockSpec(index_map=lambda item, head: (0, 0))
+    per_head = pl.BlockSpec((padded_tokens, pl.squeezed, head_dim),
+                            lambda item, head: (0, head, 0))
+    per_kv_head = pl.BlockSpec((pl.squeezed, num_pages, page_size, head_dim),
+                               lambda item, head: (head // group, 0, 0, 0))
+    kernel = functools.partial(_prefill_kernel, scale=scale, block_q=block_q,
+                               pages_per_block=per_block, precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(work.shape[0], num_q_heads),
+        in_specs=[whole, pl.BlockSpec(index_map=lambda item, head: (0,)), whole, per_head,
+                  per_kv_head, per_kv_head],
+        out_specs=per_head,
+        out_shape=jax.ShapeDtypeStruct((padded_tokens, num_q_heads, head_dim), q.dtype),
+        compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
+                                                       num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(work.astype(jnp.int32), positions.astype(jnp.int32), page_tables.astype(jnp.int32), q,
+      k_pages, v_pages)
+    return out[:num_tokens]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def ragged_paged_prefill_attention_reference(
+    q: jax.Array,  # [T, Hq, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh], this step's K already written
+    v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    page_tables: jax.Array,  # i32[rows, pages_per_row]
+    token_request: jax.Array,  # i32[T]: the row of each token; < 0 = padding
+    positions: jax.Array,  # i32[T]; < 0 = padding
+    *,
+    scale: float,
+) -> jax.Array:  # [T, Hq, Dh]
+    """The same function in plain JAX: one row at a time, its keys in chunks up to its live
+    keys (its tokens' largest position + 1), every query scored and only the row's kept."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+    num_rows, width = page_tables.shape
+    per_chunk = max(1, REFERENCE_CHUNK_SLOTS // page_size)
+    chunk = per_chunk * page_size
+    tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -width % per_chunk)))
+    real = (token_request >= 0) & (positions >= 0)
+    row_of_token = jnp.where(real, token_request, -1)
+    live_keys = jnp.zeros(num_rows, jnp.int32).at[row_of_token].max(
+        positions.astype(jnp.int32) + 1, mode="drop")
+    group = num_q_heads // num_kv_heads
+    queries = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+
+    def key_chunk(row, index, carry):
+        acc, row_max, row_sum = carry
+        pages = lax.dynamic_slice_in_dim(tables[row], index * per_chunk, per_chunk)
+        slots = (pages[:, None] * page_size + offsets).reshape(-1)
+        k = gather_slots(k_pages, slots).astype(jnp.float32)  # [chunk, Hkv, Dh]
+        v = gather_slots(v_pages, slots).astype(jnp.float32)
+        scores = jnp.einsum("TKGD,SKD->TKGS", queries, k, precision=HIGHEST) * scale
+        key_pos = index * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        visible = (key_pos[None, :] <= positions[:, None])[:, None, None, :]
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        new_max = jnp.maximum(row_max, scores.max(axis=-1))
+        correction = jnp.exp(row_max - new_max)
+        weights = jnp.exp(scores - new_max[..., None])
+        row_sum = row_sum * correction + weights.sum(axis=-1)
+        acc = (acc * correction[..., None]
+               + jnp.einsum("TKGS,SKD->TKGD", weights, v, precision=HIGHEST))
+        return acc, new_max, row_sum
+
+    def one_row(row, out):
+        init = (jnp.zeros(queries.shape, jnp.float32),
+                jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
+                jnp.zeros(queries.shape[:-1], jnp.float32))
+        num_chunks = -(-live_keys[row] // chunk)
+        acc, _, row_sum = lax.fori_loop(0, num_chunks, functools.partial(key_chunk, row), init)
+        mine = (row_of_token == row)[:, None, None, None]
+        return jnp.where(mine, acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], out)
+
+    out = lax.fori_loop(0, num_rows, one_row, jnp.zeros(queries.shape, jnp.float32))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def prefill_unsupported_reason(*, head_dim: int, page_size: int, dtype: jnp.dtype,
+                               blocks: PrefillBlocks = PrefillBlocks()) -> str | None:
+    """Why the Pallas kernel cannot run this cache shape, or None when it can: Triton loads
+    whole power-of-2 blocks and its dot needs every dimension >= 16."""
+    if blocks.block_q < MIN_DOT_DIM or page_size * blocks.pages_per_block < MIN_DOT_DIM:
+        return (f"block_q={blocks.block_q} or page_size={page_size} x pages_per_block="
+                f"{blocks.pages_per_block} < {MIN_DOT_DIM}")
+    return paged_cache_problem(head_dim=head_dim, page_size=page_size, dtype=dtype)
+
+
+def choose_prefill_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
+                          platform: str | None = None, devices: int = 1) -> PrefillKernel:
+    """The prefill kernel for this platform (default: JAX's default backend) and cache shape:
+    the Pallas kernel on a GPU, the reference elsewhere. ``devices`` > 1 (a KV cache sharded by
+    the runner's mesh) takes the reference: a Pallas call is one device's custom call."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return REFERENCE_PREFILL
+    reason = prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+    if reason is None and devices > 1:
+        reason = f"the KV cache is sharded over {devices} devices"
+    if reason is not None:
+        _log_reference_once(reason)
+        return REFERENCE_PREFILL
+    return PrefillKernel(PALLAS)
+
+
+@functools.cache
+def _log_reference_once(reason: str) -> None:
+    logger.warning("prefill attention uses the plain-JAX reference: the Pallas kernel cannot "
+                   "run here: %s", reason)
+
+
+def paged_prefill_attention(
+    q: jax.Array,  # [T, Hq, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh], this step's K already written
+    v_pages: jax.Array,
+    page_tables: jax.Array,  # i32[rows, pages_per_row]
+    token_request: jax.Array,  # i32[T]; < 0 = padding
+    positions: jax.Array,  # i32[T]; < 0 = padding
+    work: jax.Array | None,  # i32[items, 4] (``prefill_work``); the Pallas kernel's only
+    *,
+    scale: float,
+    kernel: PrefillKernel = REFERENCE_PREFILL,
+) -> jax.Array:  # [T, Hq, Dh]
+    """Prefill attention through ``kernel``'s backend (the reference by default)."""
+    if kernel.backend == PALLAS:
+        if work is None:
+            raise ValueError("the Pallas prefill kernel needs work items (prefill_work)")
+        return ragged_paged_prefill_attention(q, k_pages, v_pages, page_tables, positions, work,
+                                              scale=scale, blocks=kernel.blocks,
+                                              interpret=kernel.interpret)
+    return ragged_paged_prefill_attention_reference(q, k_pages, v_pages, page_tables,
+                                                    token_request, positions, scale=scale)
