@@ -34,8 +34,9 @@ from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.model_runner import ModelRunner, fetch_sampled, step_output
+from tokenspeed_jax.engine.model_runner import ModelRunner
 from tokenspeed_jax.engine.sampler import SamplingArrays
+from tokenspeed_jax.engine.sampling_plans import fetch_sampled, step_output
 from tokenspeed_jax.graph import run_eager, whole_forward
 from tokenspeed_jax.graph.guard import allowed
 from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM

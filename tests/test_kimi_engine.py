@@ -159,10 +159,28 @@ def test_abort_frees_the_state_slot(llm):
     assert not engine.has_unfinished
 
 
-def test_penalized_request_is_rejected_before_anything_is_admitted(llm):
-    with pytest.raises(ValueError, match="penalties"):
-        llm.generate([[5, 6, 7], [8, 9]], [greedy(4), greedy(4, repetition_penalty=1.3)])
-    assert not llm.engine.has_unfinished
+def test_penalties_truncation_and_top_logprobs_match_reference(llm):
+    """Requests that need the full sampler (resampled from the head's logits) beside a plain
+    greedy one: tokens and top log-probabilities equal the reference generator's."""
+    prompts = random_prompts(9, 6, 11, 8)
+    params = [greedy(6, repetition_penalty=1.5, frequency_penalty=0.4),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, max_tokens=6),
+              greedy(6, logprobs=3)]
+    before = llm.stats()["resample_runs"]
+    got = llm.generate(prompts, params)
+    expected = llm.reference.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert llm.stats()["resample_runs"] > before
+    # Top log-probabilities: the three best of log_softmax of the reference forward's logits.
+    sequence = [*prompts[2], *got[2].token_ids]
+    logits = llm.logits(sequence).astype(np.float64)
+    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                keepdims=True)) - logits.max(-1, keepdims=True)
+    for i, step in enumerate(got[2].logprobs):
+        row = log_probs[len(prompts[2]) - 1 + i]
+        best = np.argsort(-row)[:3]
+        assert [token for token, _ in step.top] == best.tolist()
+        np.testing.assert_allclose([lp for _, lp in step.top], row[best], atol=2e-4)
 
 
 def test_server_answers_a_chat_request(llm):

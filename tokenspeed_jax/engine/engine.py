@@ -120,12 +120,6 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
 
-    def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError for sampling settings the runner cannot honour."""
-        if params.has_penalties and not getattr(self.runner, "supports_penalties", True):
-            raise ValueError(f"{type(self.runner).__name__} does not apply repetition, frequency "
-                             f"or presence penalties yet; remove them from the request")
-
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
@@ -135,7 +129,6 @@ class Engine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
-        self.check_params(params)
         request = Request(request_id, list(prompt_token_ids), params.with_random_seed())
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                              stop=params.stop)
@@ -172,9 +165,8 @@ class Engine:
 
         Every prompt is checked before any is admitted, so a bad one leaves nothing in flight.
         """
-        for prompt_ids, params in prompts:
+        for prompt_ids, _ in prompts:
             self.check_prompt(prompt_ids)
-            self.check_params(params)
         ids = []
         for i, (prompt_ids, params) in enumerate(prompts):
             children = [f"generate-{id(self)}-{i}-{j}" for j in range(params.n)]

@@ -40,15 +40,21 @@ Invariants:
   its ``state_slot`` (one compiled ``restore`` executable, pools donated) before its step runs.
 * Per-request KDA metadata (``cu_seqlens``, slots, checkpoint offsets and slots) travels as plan
   inputs (segments read it); break metadata (page tables, slot mappings) as break metadata.
+* Sampling is two-tier as in ``ModelRunner`` (``sampling_plans``): the head ends with the in-step
+  sampler, and the ``Resampler`` samples again the rows of a step whose requests need penalties,
+  truncation or top log-probabilities.
+* Every executable goes through the on-disk executable cache, keyed with ``cache_fingerprint``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +64,12 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.model_runner import Buckets
-from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
+from tokenspeed_jax.engine.sampling_plans import (
+    Resampler,
+    fast_sample,
+    sampling_arrays,
+    step_output,
+)
 from tokenspeed_jax.graph import (
     Break,
     Call,
@@ -72,16 +83,18 @@ from tokenspeed_jax.graph import (
     choose_bucket,
     run_eager,
 )
+from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
 from tokenspeed_jax.models.kimi_linear_layers import KdaImpl, KdaMeta, kda_core
 from tokenspeed_jax.models.mla import paged_latent_decode, paged_latent_prefill, write_latent
 
-MAX_TOP_LOGPROBS = 20
 KDA_META = ("cu_seqlens", "kda_slots", "checkpoint_offsets", "checkpoint_slots")
 FRESH = "fresh_slots"  # [N]: the state slot of each request starting at position 0, else -1
-SAMPLED = ("token_ids", "logprobs", "top_logprobs", "top_ids")
+HEAD_OUTPUTS = ("sampled", "logits")
+
+logger = logging.getLogger(__name__)
 
 
 def reset_rows(pool: jax.Array, rows: jax.Array) -> jax.Array:
@@ -185,7 +198,6 @@ class PlanBuilder:
 class KimiRunner:
     """Runs engine steps of a Kimi-Linear model over its state pools and latent pages."""
 
-    supports_penalties = False  # the sampling head takes no token counts (the engine rejects)
 
     def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, *, num_pages: int,
                  num_state_slots: int, page_size: int = 16) -> None:
@@ -214,6 +226,7 @@ class KimiRunner:
             self._layer_defs.append(graphdefs.index(graphdef))
             self.layer_states.append(state)
         self._graphdefs = graphdefs
+        self._model_classes = {type(m) for _, m in nnx.iter_modules(model)}
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
@@ -241,8 +254,9 @@ class KimiRunner:
                           self.state_pools, self.state_pools)
         self.restore_plan = Plan([Call(restore)], restore.inputs, restore.outputs)
         self.restore_rows = self.buckets.prefill_requests[-1]
-        head = Break("sample", self._head_sample, ("hidden",), SAMPLED)
-        self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), SAMPLED)
+        head = Break("sample", self._head, ("hidden",), HEAD_OUTPUTS)
+        self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), HEAD_OUTPUTS)
+        self.resampler = Resampler(self.model_config.vocab_size)
         self._compiled: dict[tuple, CompiledPlan] = {}
         self.compiled = False
         self.counters = dict.fromkeys(("inline_runs", "ordinary_runs", "decode_runs",
@@ -338,12 +352,12 @@ class KimiRunner:
                                    kv_lora_rank=self.model_config.kv_lora_rank)
         return attn, pages
 
-    def _head_sample(self, params, meta, hidden) -> tuple:
+    def _head(self, params, meta, hidden) -> tuple:
+        """The sampled rows' head and the in-step sampler: (sampled rows, fp32 logits)."""
         rows = jnp.take(hidden, meta["rows"], axis=0)
         logits = nnx.merge(self.model_def, self._layers_placeholder, params).head(rows)
-        token_ids, logprobs = sample(logits, meta["sampling"])
-        values, ids = top_logprobs(logits, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
-        return token_ids, logprobs, values, ids
+        logits = logits.astype(jnp.float32)
+        return fast_sample(meta["sampling"], logits), logits
 
     def _forward_plan(self, route: str, impl: KdaImpl = "pallas") -> Plan:
         pools = tuple(self.pools)
@@ -402,9 +416,8 @@ class KimiRunner:
                      "page_tables": page_tables}
         rows_arr = np.zeros(num_requests, np.int32)
         rows_arr[:len(rows)] = rows
-        sampling = SamplingArrays.from_params(
-            [(r.params, len(r.output_token_ids)) for r in sampled], pad_to=num_requests)
-        return inputs, attention, {"rows": rows_arr, "sampling": sampling}
+        return inputs, attention, {"rows": rows_arr,
+                                   "sampling": sampling_arrays(sampled, num_requests)}
 
     def _check_slots(self, request: StepRequest) -> None:
         slot, checkpoint = request.state_slot, request.checkpoint_slot
@@ -429,10 +442,23 @@ class KimiRunner:
 
     # ----------------------------------------------------------------- compile
 
+    def cache_fingerprint(self) -> str:
+        """What the stage functions read besides their arguments, for the executable cache key:
+        the model's static structure (config, dtypes), each layer kind's structure, the scale,
+        the flax version, and the bytecode of the runner's and the model's classes."""
+        classes = [type(self), *self._model_classes]
+        return "\n".join([repr(self.model_def), *map(repr, self._graphdefs),
+                          f"scale={self.scale!r}", f"flax={flax.__version__}",
+                          classes_fingerprint(classes, skip_modules=("flax",))])
+
     def compile_all(self) -> CompileSummary:
-        """Compile every executable a step can reach; fatal on failure; then arm the guard."""
+        """Compile (or load from the executable cache) every executable a step can reach; fatal
+        on failure; then arm the guard."""
+        cache_dir = self.config.compile_cache_path
         compiler = PlanCompiler(progress=self.config.compile_progress,
-                                description="compiling Kimi executables", mesh=self.mesh)
+                                description="compiling Kimi executables",
+                                cache=ExecutableCache(cache_dir) if cache_dir else None,
+                                fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)
@@ -461,10 +487,12 @@ class KimiRunner:
         compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}", self.restore_plan,
                      {**rows, **{n: pools[n] for n in self.state_pools}},
                      shardings=shardings)
+        self.resampler.add(compiler, [n for _, n in dict.fromkeys(shapes + decode_shapes)])
         plans, summary = compiler.compile_all()
-        for label, plan in plans.items():
+        for label, plan in self.resampler.adopt(plans).items():
             route, tokens, requests = label.split()
             self._compiled[route, int(tokens[2:]), int(requests[2:])] = plan
+        logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
         self.guard.arm()
         return summary
@@ -519,7 +547,8 @@ class KimiRunner:
         self._adopt(out)
         sampled = self._compiled["head", tokens, rows].run({"hidden": out["hidden"]},
                                                            {"sample": head})
-        return _output(sampled, sum(r.sample for r in requests))
+        return step_output([self.resampler.finish([r for r in requests if r.sample], rows,
+                                                  sampled["sampled"], sampled["logits"])])
 
     def run_eager(self, requests: Sequence[StepRequest], *, plan: str = "ordinary") -> StepOutput:
         """A step op by op at its exact size (``plan``: "inline", "ordinary", "decode", or
@@ -538,7 +567,9 @@ class KimiRunner:
                     "sampling": jax.tree_util.tree_map(lambda a: a[:num_sampled],
                                                        head["sampling"])}
             sampled = run_eager(self.head_plan, {"hidden": out["hidden"]}, {"sample": rows})
-            return _output(sampled, num_sampled)
+            return step_output([self.resampler.finish(
+                [r for r in requests if r.sample], num_sampled, sampled["sampled"],
+                sampled["logits"], eager=True)])
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
         """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""
@@ -559,7 +590,8 @@ class KimiRunner:
         self.pools = {name: values[name] for name in self.pools}
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters, "runtime_compiles": self.guard.runtime_compiles}
+        return {**self.counters, "resample_runs": self.resampler.runs,
+                "runtime_compiles": self.guard.runtime_compiles}
 
 
 def _copy_rows(params: Any, src: jax.Array, dst: jax.Array, *pools: jax.Array) -> tuple:
@@ -567,11 +599,3 @@ def _copy_rows(params: Any, src: jax.Array, dst: jax.Array, *pools: jax.Array) -
     del params
     return tuple(pool.at[jnp.where(dst >= 0, dst, pool.shape[0])].set(
         pool[jnp.maximum(src, 0)], mode="drop") for pool in pools)
-
-
-def _output(sampled: dict[str, jax.Array], count: int) -> StepOutput:
-    rows = {k: np.asarray(sampled[k])[:count] for k in SAMPLED}
-    return StepOutput(token_ids=rows["token_ids"].astype(np.int32),
-                      logprobs=rows["logprobs"].astype(np.float32),
-                      top_token_ids=rows["top_ids"].astype(np.int32),
-                      top_logprobs=rows["top_logprobs"].astype(np.float32))

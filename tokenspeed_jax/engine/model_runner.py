@@ -18,14 +18,10 @@ Routes, chosen per step from static configuration and the step's sizes:
   head and the in-step sampler on rows only. Steps with more tokens than the largest bucket are
   cut into chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the
   largest request bucket are split into groups.
-* **Sampling in two tiers**: the in-step sampler (``_fast_sample``: temperature, min-p, seeds,
-  greedy) has no top-k/top-p truncation and no top log-probabilities, so it never sorts over the
-  vocabulary (a sort cost 1.4 ms per 8B-shape decode step at batch 32 on an H200). Heads and
-  decode steps also return their logits; when a sampled request needs penalties, truncation or
-  top log-probabilities (``needs_full_sampler``), a *resample* plan (one per row bucket of either
-  route; the penalized one also takes ``counts i32[rows, V]`` of each request's output tokens,
-  built on the host) samples those rows again with the full sampler. Counted as
-  ``resample_runs``.
+* **Sampling in two tiers** (``sampling_plans``): heads and decode steps end with the in-step
+  sampler and also return their logits; when a sampled request needs penalties, truncation or
+  top log-probabilities, the runner's ``Resampler`` samples those rows again with the full
+  sampler (one plan per row bucket of either route). Counted as ``resample_runs``.
 * **Eager**: the same plans run op by op (``enforce_eager``, prefill graph off, or a model that
   declares ``supports_prefill_graph = False`` / ``supports_decode_graph = False``). Counted and
   logged; its compiles are declared to the guard.
@@ -40,7 +36,6 @@ the graph routes compiles; the guard counts (strict: raises on) any compile.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -56,7 +51,14 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.packed import Packed
-from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
+from tokenspeed_jax.engine.sampling_plans import (
+    Resampler,
+    fast_sample,
+    sampling_arrays,
+    sampling_fields,
+    step_output,
+    unpack_sampling,
+)
 from tokenspeed_jax.graph import (
     Break,
     Call,
@@ -82,11 +84,9 @@ from tokenspeed_jax.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     prefill_work,
 )
-from tokenspeed_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
 
 
 def split_requests(
@@ -199,13 +199,11 @@ class ModelRunner:
         self._narrowers: dict[tuple[int, int], CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
         self._decode_steps: dict[int, CompiledPlan] = {}
-        self._resamplers: dict[int, CompiledPlan] = {}
-        self._penalized_resamplers: dict[int, CompiledPlan] = {}
+        self.resampler = Resampler(self.model_config.vocab_size)
         self.compiled = False
         self.counters = dict.fromkeys((
             "prefill_graph_runs", "decode_graph_runs", "eager_runs", "chunked_prefill_splits",
-            "request_splits", "decode_splits", "real_tokens", "padded_tokens",
-            "resample_runs"), 0)
+            "request_splits", "decode_splits", "real_tokens", "padded_tokens"), 0)
 
     # ----------------------------------------------------------------- stage functions
 
@@ -246,7 +244,7 @@ class ModelRunner:
     def _head(self, params: Any, packed: Packed, hidden: jax.Array) -> tuple:
         """The head and the in-step sampler on ``hidden`` rows: (sampled rows, fp32 logits)."""
         logits = self._outer(params).head(hidden).astype(jnp.float32)
-        return _fast_sample(packed.unpack(), logits), logits
+        return fast_sample(unpack_sampling(packed.unpack()), logits), logits
 
     def _decode_step(self, params: Any, packed: Packed, *caches: jax.Array) -> tuple:
         """One decode step: the in-step sampler's rows, the logits (for ``resample``), caches."""
@@ -267,11 +265,7 @@ class ModelRunner:
                                           scale=self.scale, kernel=self.decode_kernel)
             hidden = layer.attention_outputs(hidden, attn)
         logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
-        return (_fast_sample(meta, logits), logits, *k_all, *v_all)
-
-    @staticmethod
-    def _resample(params: Any, packed: Packed, logits: jax.Array) -> jax.Array:
-        return _full_sample(packed.unpack(), logits)
+        return (fast_sample(unpack_sampling(meta), logits), logits, *k_all, *v_all)
 
     # ----------------------------------------------------------------- plans
 
@@ -299,7 +293,6 @@ class ModelRunner:
         self.encoder_plan = Plan(calls, ("token_ids", "positions", *caches), ("hidden", *caches))
         narrow = Break("narrow", self._narrow, ("hidden",), ("rows_hidden",))
         self.narrow_plan = Plan([Call(narrow)], ("hidden",), ("rows_hidden",))
-        sampled = ("sampled",)
         head = Break("head", self._head, ("rows_hidden",), ("sampled", "logits"))
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
                                  ("sampled", "logits"))
@@ -307,12 +300,6 @@ class ModelRunner:
         decode = Break("decode", self._decode_step, caches, decoded, donate=caches)
         self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
                                 caches, decoded)
-        # The full sampler on the logits of a head or a decode step, for rows the in-step
-        # sampler cannot serve (``needs_full_sampler``).
-        resample = Break("sample", self._resample, ("logits",), sampled)
-        self.resample_plan = Plan([Call(resample)], ("logits",), sampled)
-        penalized_resample = Break("penalized-sample", self._resample, ("logits",), sampled)
-        self.penalized_resample_plan = Plan([Call(penalized_resample)], ("logits",), sampled)
 
     # ----------------------------------------------------------------- start-up compile
 
@@ -374,13 +361,6 @@ class ModelRunner:
     def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def _counts(self, requests: Sequence[StepRequest], rows: int) -> np.ndarray:
-        """i32[rows, V]: how often each request already generated each token (penalties)."""
-        counts = np.zeros((rows, self.model_config.vocab_size), np.int32)
-        for row, request in enumerate(requests):
-            np.add.at(counts[row], np.asarray(request.output_token_ids, np.int64), 1)
-        return counts
-
     def _page_table(self, request: StepRequest) -> np.ndarray:
         table = np.asarray(request.page_table, np.int32)
         needed = math.ceil(request.end_pos / self.page_size)
@@ -390,11 +370,6 @@ class ModelRunner:
                 f">= {needed} and at most {self.pages_per_request} (max_model_len="
                 f"{self.config.max_model_len}, page_size={self.page_size})")
         return table
-
-    @staticmethod
-    def _sampling(requests: Sequence[StepRequest], rows: int) -> SamplingArrays:
-        return SamplingArrays.from_params(
-            [(r.params, len(r.output_token_ids)) for r in requests], pad_to=rows)
 
     def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
         """The packed metadata of one decode group padded to ``rows``: one transfer per step."""
@@ -413,7 +388,7 @@ class ModelRunner:
             slots[:count] = self._slots_of_rows(page_tables[:count], real)
         return Packed.of({"token_ids": token_ids, "positions": positions, "slot_mapping": slots,
                           "page_tables": page_tables,
-                          **_sampling_fields(self._sampling(requests, rows))})
+                          **sampling_fields(sampling_arrays(requests, rows))})
 
     def _slots_of_rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Row ``i``'s slot of ``positions[i]`` in page table ``tables[i]``."""
@@ -465,21 +440,15 @@ class ModelRunner:
         for rows in self.buckets.decode_requests:
             meta = {"decode": abstract(self._decode_meta([], rows))}
             compiler.add(f"decode B={rows}", self.decode_plan, caches, meta, shardings)
-        for rows in sorted({*self.buckets.prefill_requests, *self.buckets.decode_requests}):
-            logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32)
-            for label, plan, penalized in (("resample", self.resample_plan, False),
-                                           ("penalized-resample", self.penalized_resample_plan,
-                                            True)):
-                compiler.add(f"{label} B={rows}", plan, {"logits": logits},
-                             abstract(self._resample_meta([], rows, penalized)[1]))
+        self.resampler.add(compiler, [*self.buckets.prefill_requests,
+                                      *self.buckets.decode_requests])
         plans, summary = compiler.compile_all()
-        for label, plan in plans.items():
+        for label, plan in self.resampler.adopt(plans).items():
             kind, *sizes = label.split()
             key = tuple(int(s.split("=")[1]) for s in sizes)
             table = {"prefill": self._encoders, "narrow": self._narrowers,
                      "head": self._decoders,
-                     "decode": self._decode_steps, "resample": self._resamplers,
-                     "penalized-resample": self._penalized_resamplers}[kind]
+                     "decode": self._decode_steps}[kind]
             table[key if len(key) > 1 else key[0]] = plan
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
@@ -537,41 +506,11 @@ class ModelRunner:
             {"hidden": out["hidden"]}, {"narrow": {"rows": head["rows"]}})
         sampled_requests = [r for r in requests if r.sample]
         out = self._decoders[rows].run(narrowed, self._head_meta(sampled_requests, rows))
-        return self._finish_sampling(sampled_requests, rows, out)
+        return self.resampler.finish(sampled_requests, rows, out["sampled"], out["logits"])
 
     def _head_meta(self, sampled: Sequence[StepRequest], rows: int) -> dict:
         """The packed metadata of the head plan: the in-step sampler's settings."""
-        return {"head": Packed.of(_sampling_fields(self._sampling(sampled, rows)))}
-
-    def _resample_meta(self, sampled: Sequence[StepRequest], rows: int,
-                       penalized: bool | None = None) -> tuple[bool, dict]:
-        """(whether the penalized resample plan runs, its packed metadata): the penalized plan
-        also takes each row's output-token counts. ``penalized`` None: exactly when a sampled
-        request has a penalty."""
-        if penalized is None:
-            penalized = any(r.params.has_penalties for r in sampled)
-        fields = _sampling_fields(self._sampling(sampled, rows))
-        if penalized:
-            fields["counts"] = self._counts(sampled, rows)
-        return penalized, {"penalized-sample" if penalized else "sample": Packed.of(fields)}
-
-    def _finish_sampling(self, sampled: Sequence[StepRequest], rows: int,
-                         out: dict[str, jax.Array], *, eager: bool = False) -> np.ndarray:
-        """The rows of a head or decode step's output (``sampled`` and ``logits``): the in-step
-        sampler's, or, when a request needs more, the full sampler's run on the logits (its
-        compiled plan, or op by op with ``eager``)."""
-        if not any(needs_full_sampler(r.params) for r in sampled):
-            return fetch_sampled(out["sampled"], len(sampled))
-        self.counters["resample_runs"] += 1
-        penalized, meta = self._resample_meta(sampled, rows)
-        logits = {"logits": out["logits"]}
-        if eager:
-            plan = self.penalized_resample_plan if penalized else self.resample_plan
-            result = run_eager(plan, logits, meta)
-        else:
-            plans = self._penalized_resamplers if penalized else self._resamplers
-            result = plans[rows].run(logits, meta)
-        return fetch_sampled(result["sampled"], len(sampled))
+        return {"head": Packed.of(sampling_fields(sampling_arrays(sampled, rows)))}
 
     def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[CompiledPlan, dict]:
         """The compiled decode step for ``requests`` (at most the largest decode bucket) and its
@@ -587,7 +526,7 @@ class ModelRunner:
         self.counters["padded_tokens"] += rows - len(requests)
         out = plan.run(self.kv_caches(), meta)
         self.store_kv_caches(out)
-        return self._finish_sampling(requests, rows, out)
+        return self.resampler.finish(requests, rows, out["sampled"], out["logits"])
 
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""
@@ -606,7 +545,8 @@ class ModelRunner:
             narrowed = run_eager(self.narrow_plan, {"hidden": out["hidden"]}, {"narrow": rows})
             out = run_eager(self.decoder_plan, narrowed,
                             self._head_meta(sampled_requests, num_sampled))
-            return self._finish_sampling(sampled_requests, num_sampled, out, eager=True)
+            return self.resampler.finish(sampled_requests, num_sampled, out["sampled"],
+                                         out["logits"], eager=True)
 
     def kv_caches(self) -> dict[str, jax.Array]:
         """The paged KV cache as plan values (``k_pages.i``, ``v_pages.i``); donated per step."""
@@ -624,61 +564,8 @@ class ModelRunner:
         total = self.counters["real_tokens"] + self.counters["padded_tokens"]
         return {
             **self.counters,
+            "resample_runs": self.resampler.runs,
             "runtime_compiles": self.guard.runtime_compiles,
             "eager_compiles": self.guard.allowed_compiles,
             "padding_waste": self.counters["padded_tokens"] / total if total else 0.0,
         }
-
-
-def _sampling_fields(sampling: SamplingArrays) -> dict[str, np.ndarray]:
-    return {f"sampling.{name}": value for name, value in sampling._asdict().items()}
-
-
-def needs_full_sampler(params: SamplingParams) -> bool:
-    """Whether a request needs more than a decode step's in-step sampler (``_fast_sample``):
-    penalties, top-k or top-p truncation of a sampled row, or top log-probabilities."""
-    truncates = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
-    return params.has_penalties or truncates or bool(params.logprobs)
-
-
-def _fast_sample(meta: dict[str, jax.Array], logits: jax.Array) -> jax.Array:
-    """The in-step sampler: i32[rows, 2] of token id and log-prob bits, without top-k/top-p
-    truncation (no ``lax.top_k`` over the vocabulary) and without top log-probabilities."""
-    token_ids, logprobs = sample(logits, _unpack_sampling(meta), top_k_cap=0)
-    return jnp.stack([token_ids, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=1)
-
-
-def _full_sample(meta: dict[str, jax.Array], logits: jax.Array) -> jax.Array:
-    """The full sampler: one i32[rows, 2 + 2k] array (``step_output`` splits it) of token id,
-    log-prob bits, the k top ids and their log-prob bits, so fetching a step's results is one
-    device->host copy. Penalties apply when ``meta`` holds ``counts``."""
-    token_ids, logprobs = sample(logits, _unpack_sampling(meta), meta.get("counts"))
-    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
-    top_values, top_ids = top_logprobs(logits, k)
-    as_words = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    return jnp.concatenate([token_ids[:, None], as_words(logprobs)[:, None], top_ids,
-                            as_words(top_values)], axis=1)
-
-
-def _unpack_sampling(meta: dict[str, jax.Array]) -> SamplingArrays:
-    return SamplingArrays(*(meta[f"sampling.{name}"] for name in SamplingArrays._fields))
-
-
-def fetch_sampled(sampled: jax.Array, count: int) -> np.ndarray:
-    """The packed sampler output (``_sample``) -> numpy, in one copy: the first ``count`` rows
-    (the rest are padding)."""
-    return np.asarray(sampled)[:count]
-
-
-def step_output(results: list[np.ndarray]) -> StepOutput:
-    """Split the packed rows: token id, logprob bits, k top ids, k top log-prob bits. Results of
-    the in-step sampler (k = 0) are widened with zeros to join full-sampler results."""
-    width = max(r.shape[1] for r in results)
-    joined = np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in results])
-    k = (joined.shape[1] - 2) // 2
-    return StepOutput(
-        token_ids=joined[:, 0].copy(),
-        logprobs=joined[:, 1].copy().view(np.float32),
-        top_token_ids=joined[:, 2:2 + k].copy(),
-        top_logprobs=joined[:, 2 + k:].copy().view(np.float32),
-    )

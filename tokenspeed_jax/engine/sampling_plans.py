@@ -1,0 +1,168 @@
+"""Two-tier sampling on compiled plans, shared by every model runner.
+
+A runner's head (or whole decode step) ends with the *in-step* sampler, ``fast_sample``:
+temperature, min-p, seeds and greedy rows, but no top-k/top-p truncation and no top
+log-probabilities, so it never sorts over the vocabulary (``lax.top_k`` cost 1.4 ms per step of
+an 8B-shape decode at batch 32 on an H200). The head also returns its logits as fp32
+``[rows, V]``. When a sampled request needs more (``needs_full_sampler``: penalties, truncation
+of a sampled row, top log-probabilities), ``Resampler`` runs the *full* sampler on those logits:
+one compiled plan per row bucket, plus a penalized one that also takes ``counts i32[rows, V]``
+of each request's output tokens (built on the host).
+
+Invariants:
+
+* Both tiers draw from ``sampler.sample`` with the same per-row keys, so a row that needs neither
+  truncation nor penalties gets the same token from either tier; rows stay independent.
+* A head's output is one ``i32[rows, 2]`` (token id, log-prob bits) and the full sampler's one
+  ``i32[rows, 2 + 2k]`` (plus the k top ids and their log-prob bits): fetching a step's tokens
+  is one device->host copy; ``step_output`` splits and joins them.
+* The resample plans read only their arguments (no model weights), so their executables are
+  shared by every model of the same vocabulary size in the executable cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokenspeed_jax.engine.batch import StepOutput, StepRequest
+from tokenspeed_jax.engine.packed import Packed
+from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
+from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, PlanCompiler, abstract, run_eager
+from tokenspeed_jax.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
+SAMPLED = "sampled"
+RESAMPLE_LABELS = {False: "resample", True: "penalized-resample"}  # by ``penalized``
+
+
+def needs_full_sampler(params: SamplingParams) -> bool:
+    """Whether a request needs more than the in-step sampler: penalties, top-k or top-p
+    truncation of a sampled row, or top log-probabilities."""
+    truncates = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
+    return params.has_penalties or truncates or bool(params.logprobs)
+
+
+def sampling_arrays(requests: Sequence[StepRequest], rows: int) -> SamplingArrays:
+    """The sampling settings of ``requests`` as arrays padded (greedy) to ``rows``."""
+    return SamplingArrays.from_params(
+        [(r.params, len(r.output_token_ids)) for r in requests], pad_to=rows)
+
+
+def sampling_fields(sampling: SamplingArrays) -> dict[str, np.ndarray]:
+    """The settings as named fields of a ``Packed`` buffer (``unpack_sampling`` reverses it)."""
+    return {f"sampling.{name}": value for name, value in sampling._asdict().items()}
+
+
+def unpack_sampling(meta: Mapping[str, jax.Array]) -> SamplingArrays:
+    return SamplingArrays(*(meta[f"sampling.{name}"] for name in SamplingArrays._fields))
+
+
+def output_counts(requests: Sequence[StepRequest], rows: int, vocab_size: int) -> np.ndarray:
+    """i32[rows, V]: how often each request already generated each token (penalties)."""
+    counts = np.zeros((rows, vocab_size), np.int32)
+    for row, request in enumerate(requests):
+        np.add.at(counts[row], np.asarray(request.output_token_ids, np.int64), 1)
+    return counts
+
+
+def fast_sample(sampling: SamplingArrays, logits: jax.Array) -> jax.Array:
+    """The in-step sampler: i32[rows, 2] of token id and log-prob bits."""
+    token_ids, logprobs = sample(logits, sampling, top_k_cap=0)
+    return jnp.stack([token_ids, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=1)
+
+
+def full_sample(meta: Mapping[str, jax.Array], logits: jax.Array) -> jax.Array:
+    """The full sampler: i32[rows, 2 + 2k]; penalties apply when ``meta`` holds ``counts``."""
+    token_ids, logprobs = sample(logits, unpack_sampling(meta), meta.get("counts"))
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    top_values, top_ids = top_logprobs(logits, k)
+    as_words = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    return jnp.concatenate([token_ids[:, None], as_words(logprobs)[:, None], top_ids,
+                            as_words(top_values)], axis=1)
+
+
+def fetch_sampled(sampled: jax.Array, count: int) -> np.ndarray:
+    """A sampler output -> numpy, in one copy: the first ``count`` rows (the rest are padding)."""
+    return np.asarray(sampled)[:count]
+
+
+def step_output(results: list[np.ndarray]) -> StepOutput:
+    """Split the packed rows: token id, logprob bits, k top ids, k top log-prob bits. Results of
+    the in-step sampler (k = 0) are widened with zeros to join full-sampler results."""
+    width = max(r.shape[1] for r in results)
+    joined = np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in results])
+    k = (joined.shape[1] - 2) // 2
+    return StepOutput(
+        token_ids=joined[:, 0].copy(),
+        logprobs=joined[:, 1].copy().view(np.float32),
+        top_token_ids=joined[:, 2:2 + k].copy(),
+        top_logprobs=joined[:, 2 + k:].copy().view(np.float32),
+    )
+
+
+def _resample(params: object, packed: Packed, logits: jax.Array) -> jax.Array:
+    del params
+    return full_sample(packed.unpack(), logits)
+
+
+class Resampler:
+    """The full-sampler plans of one runner (module docstring), compiled per row bucket."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        # Break names are the metadata keys: "sample" and "penalized-sample".
+        self.plans = {penalized: Plan([Call(Break(f"{'penalized-' * penalized}sample",
+                                                  _resample, ("logits",), (SAMPLED,)))],
+                                      ("logits",), (SAMPLED,))
+                      for penalized in (False, True)}
+        self.compiled: dict[tuple[bool, int], CompiledPlan] = {}
+        self.runs = 0
+
+    def add(self, compiler: PlanCompiler, rows: Sequence[int]) -> None:
+        """Queue both plans for every row bucket in ``rows`` on ``compiler``."""
+        for count in sorted(set(rows)):
+            logits = jax.ShapeDtypeStruct((count, self.vocab_size), jnp.float32)
+            for penalized, label in RESAMPLE_LABELS.items():
+                compiler.add(f"{label} B={count}", self.plans[penalized], {"logits": logits},
+                             abstract(self.meta([], count, penalized)[1]))
+
+    def adopt(self, plans: Mapping[str, CompiledPlan]) -> dict[str, CompiledPlan]:
+        """Take this resampler's compiled plans out of ``plans``; return the others."""
+        others = {}
+        kinds = {label: penalized for penalized, label in RESAMPLE_LABELS.items()}
+        for label, plan in plans.items():
+            kind, *sizes = label.split()
+            if kind in kinds:
+                self.compiled[kinds[kind], int(sizes[0].split("=")[1])] = plan
+            else:
+                others[label] = plan
+        return others
+
+    def meta(self, requests: Sequence[StepRequest], rows: int,
+             penalized: bool | None = None) -> tuple[bool, dict]:
+        """(whether the penalized plan runs, its packed metadata). ``penalized`` None: exactly
+        when a request has a penalty."""
+        if penalized is None:
+            penalized = any(r.params.has_penalties for r in requests)
+        fields = sampling_fields(sampling_arrays(requests, rows))
+        if penalized:
+            fields["counts"] = output_counts(requests, rows, self.vocab_size)
+        return penalized, {"penalized-sample" if penalized else "sample": Packed.of(fields)}
+
+    def finish(self, requests: Sequence[StepRequest], rows: int, sampled: jax.Array,
+               logits: jax.Array, *, eager: bool = False) -> np.ndarray:
+        """The sampled rows of ``requests``: the in-step sampler's (``sampled``) or, when one
+        needs more, the full sampler's on ``logits`` (its compiled plan for ``rows``, or op by
+        op with ``eager``)."""
+        if not any(needs_full_sampler(r.params) for r in requests):
+            return fetch_sampled(sampled, len(requests))
+        self.runs += 1
+        penalized, meta = self.meta(requests, rows)
+        run: Callable[..., dict] = (functools.partial(run_eager, self.plans[penalized]) if eager
+                                    else self.compiled[penalized, rows].run)
+        return fetch_sampled(run({"logits": logits}, meta)[SAMPLED], len(requests))
