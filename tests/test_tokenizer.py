@@ -14,8 +14,9 @@ import pytest
 import tokenizers
 
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer, check_stop_strings
+from tokenspeed_jax.models.gguf_file import GGUFFile
 from tokenspeed_jax.models.loader import default_model_path
-from tokenspeed_jax.tokenizer import Tokenizer, byte_level_bpe, gguf_field
+from tokenspeed_jax.tokenizer import Tokenizer, byte_level_bpe
 
 GOLDEN = json.loads(
     (Path(__file__).parent / "golden" / "smollm2_tokenizer.json").read_text(encoding="utf-8")
@@ -25,13 +26,13 @@ GOLDEN_TEXTS = [case["text"] for case in GOLDEN["cases"]]
 
 @pytest.fixture(scope="module")
 def smollm2() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path()))
+    return Tokenizer.from_gguf(GGUFFile(default_model_path()))
 
 
 # ------------------------------------------------------------------------------ GGUF metadata
 
 
-def write_gguf(path: Path, fields: dict) -> gguf.GGUFReader:
+def write_gguf(path: Path, fields: dict) -> GGUFFile:
     """A metadata-only GGUF file with ``fields`` (str, bool, int as uint32, lists as arrays)."""
     writer = gguf.GGUFWriter(str(path), arch="llama")
     for key, value in fields.items():
@@ -46,11 +47,11 @@ def write_gguf(path: Path, fields: dict) -> gguf.GGUFReader:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(path)
 
 
-def test_gguf_field_reads_scalars_strings_and_arrays(tmp_path: Path) -> None:
-    reader = write_gguf(
+def test_gguf_file_field_reads_scalars_strings_and_arrays(tmp_path: Path) -> None:
+    parsed = write_gguf(
         tmp_path / "fields.gguf",
         {
             "t.name": "héllo wörld",
@@ -60,15 +61,15 @@ def test_gguf_field_reads_scalars_strings_and_arrays(tmp_path: Path) -> None:
             "t.numbers": [3, 1, 4, 1, 5],
         },
     )
-    assert gguf_field(reader, "t.name") == "héllo wörld"
-    assert gguf_field(reader, "t.flag") is True
-    assert gguf_field(reader, "t.count") == 49152
-    assert gguf_field(reader, "t.words") == ["a", "Ġb", "<|im_end|>", "日本"]
-    assert gguf_field(reader, "t.numbers") == [3, 1, 4, 1, 5]
-    assert gguf_field(reader, "general.architecture") == "llama"
-    assert gguf_field(reader, "t.absent", None) is None
-    with pytest.raises(KeyError, match="t.absent"):
-        gguf_field(reader, "t.absent")
+    assert parsed.field("t.name") == "héllo wörld"
+    assert parsed.field("t.flag") is True
+    assert parsed.field("t.count") == 49152
+    assert parsed.field("t.words") == ["a", "Ġb", "<|im_end|>", "日本"]
+    assert parsed.field("t.numbers") == [3, 1, 4, 1, 5]
+    assert parsed.field("general.architecture") == "llama"
+    assert parsed.field("t.absent", None) is None
+    with pytest.raises(ValueError, match="fields.gguf: GGUF metadata key 't.absent' is missing"):
+        parsed.field("t.absent")
 
 
 BYTES = tokenizers.pre_tokenizers.ByteLevel.alphabet()

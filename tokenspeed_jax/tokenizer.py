@@ -20,13 +20,16 @@ import functools
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
+
+if TYPE_CHECKING:
+    from tokenspeed_jax.models.gguf_file import GGUFFile
 
 # Token type codes of `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
 GGUF_TOKEN_CONTROL = 3
@@ -61,43 +64,6 @@ GGUF_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 }
 # llama.cpp tokenizes a word found whole in the vocabulary as that token for these vocabularies.
 _IGNORE_MERGES_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"})
-
-_MISSING = object()
-
-
-def gguf_field(reader: Any, key: str, default: Any = _MISSING) -> Any:
-    """The value of metadata field ``key`` of a ``gguf.GGUFReader`` as a Python value.
-
-    Strings come back as ``str``, numbers and bools as Python scalars, arrays as lists. gguf's
-    ``ReaderField`` keeps the raw byte parts of a field in ``parts`` and, in ``data``, the indices
-    of the parts that hold values: one per element for an array, one for a scalar.
-    """
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise KeyError(f"GGUF metadata has no field {key!r}")
-        return default
-    value_type = field.types[0]
-    if value_type == gguf.GGUFValueType.ARRAY:
-        if len(field.types) == 1:  # an empty array records no element type
-            return []
-        element_type = field.types[-1]
-        if element_type == gguf.GGUFValueType.ARRAY:
-            raise ValueError(f"GGUF field {key!r} is a nested array, which is not supported")
-        return [_gguf_part_value(field.parts[i], element_type) for i in field.data]
-    return _gguf_part_value(field.parts[field.data[0]], value_type)
-
-
-def _gguf_part_value(part: Any, value_type: Any) -> Any:
-    import gguf
-
-    if value_type == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    value = part[0].item()
-    return bool(value) if value_type == gguf.GGUFValueType.BOOL else value
-
 
 def _token_content(token: Any) -> str | None:
     """HF configs write a special token as a string or as a dict with "content"."""
@@ -214,26 +180,27 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
-        """Rebuild the tokenizer a ``gguf.GGUFReader``'s metadata describes (byte-level BPE)."""
-        model = gguf_field(reader, "tokenizer.ggml.model")
+    def from_gguf(cls, gguf_file: GGUFFile) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF file's metadata describes (byte-level BPE)."""
+        field = gguf_file.field
+        model = field("tokenizer.ggml.model")
         if model != "gpt2":
             raise NotImplementedError(
                 f"GGUF tokenizer model {model!r} is not supported; only 'gpt2' (byte-level BPE) is"
             )
-        tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-        token_types = gguf_field(reader, "tokenizer.ggml.token_type", [])
-        pre = gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
+        tokens = field("tokenizer.ggml.tokens")
+        token_types = field("tokenizer.ggml.token_type", [])
+        pre = field("tokenizer.ggml.pre", "gpt-2")
         backend = byte_level_bpe(
             tokens,
-            gguf_field(reader, "tokenizer.ggml.merges"),
+            field("tokenizer.ggml.merges"),
             pre=pre,
             ignore_merges=pre in _IGNORE_MERGES_PRE,
         )
         _add_typed_tokens(backend, tokens, token_types)
 
         def token_at(key: str) -> str | None:
-            token_id = gguf_field(reader, key, None)
+            token_id = field(key, None)
             if token_id is None:
                 return None
             if not 0 <= token_id < len(tokens):
@@ -241,17 +208,17 @@ class Tokenizer:
             return tokens[token_id]
 
         bos_token = token_at("tokenizer.ggml.bos_token_id")
-        if gguf_field(reader, "tokenizer.ggml.add_bos_token", False):
+        if field("tokenizer.ggml.add_bos_token", False):
             if bos_token is None:
                 raise ValueError("GGUF sets add_bos_token but has no tokenizer.ggml.bos_token_id")
             backend.post_processor = _prepend_bos(bos_token, tokens.index(bos_token))
         end_ids = [
-            gguf_field(reader, key, None)
+            field(key, None)
             for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         ]
         return cls(
             backend,
-            chat_template=gguf_field(reader, "tokenizer.chat_template", None),
+            chat_template=field("tokenizer.chat_template", None),
             bos_token=bos_token,
             eos_token=token_at("tokenizer.ggml.eos_token_id"),
             eos_token_ids=[i for i in end_ids if i is not None],

@@ -1,29 +1,30 @@
 """GGUF files (llama.cpp): architecture metadata and tensors, renamed to HF names.
 
-Renaming and value transforms are separate steps: ``hf_name`` maps a GGUF tensor name to the HF
-name, ``iter_gguf_tensors`` dequantizes to float32 in HF layout and undoes llama.cpp's Q/K row
+``gguf_file`` parses the header; this module turns it into a LlamaConfig and HF tensors. Renaming
+and value transforms are separate steps: ``hf_name`` maps a GGUF tensor name to the HF name,
+``iter_gguf_tensors`` dequantizes to float32 in HF layout and undoes llama.cpp's Q/K row
 permutation. From there on a GGUF checkpoint is indistinguishable from an HF one.
 
 Invariants:
 
-* The reader's ``tensor.data`` is in numpy order (``[out, in_bytes]``), the reverse of GGUF's
-  ``ne`` order; ``gguf.quants.dequantize`` returns ``[out, in]``, HF's Linear layout.
+* ``GGUFFile.tensor_bytes`` is in numpy order (``[out, in_bytes]``), the reverse of GGUF's ``ne``
+  order; ``gguf.quants.dequantize`` returns ``[out, in]``, HF's Linear layout.
 * llama.cpp's converter reorders the rows of each head of llama ``attn_q`` / ``attn_k`` from
   rotate-half order (``[2, Dh/2]``) to interleaved pairs (``[Dh/2, 2]``); ``unpermute_qk``
   reverses exactly that. Qwen2/Qwen3 GGUFs are written unpermuted.
-* A truncated or corrupt file is a ValueError naming the file.
+* A truncated or corrupt file is a ValueError naming the file (see ``gguf_file``), raised when it
+  is opened, before any tensor is read.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import gguf
 import numpy as np
 
+from tokenspeed_jax.models.gguf_file import GGUFFile
 from tokenspeed_jax.models.llama import LlamaConfig
 
 SUPPORTED_QUANTS = frozenset({
@@ -56,59 +57,42 @@ _BLOCK_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except FileNotFoundError as e:
-        raise ValueError(f"{path}: file not found") from e
-    except Exception as e:  # the reader fails with assorted numpy/struct errors on bad input
-        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
-        return default
-    return field.contents()
-
-
 def _float32_value(value: float) -> float:
     """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06)."""
     return float(str(np.float32(value)))
 
 
-def gguf_architecture(reader: gguf.GGUFReader) -> str:
-    return str(_field(reader, "general.architecture"))
+def gguf_architecture(gguf_file: GGUFFile) -> str:
+    return str(gguf_file.field("general.architecture"))
 
 
-def config_from_gguf(reader: gguf.GGUFReader) -> LlamaConfig:
+def config_from_gguf(gguf_file: GGUFFile) -> LlamaConfig:
     """Build a LlamaConfig from ``{arch}.*`` metadata; the vocab is the tokenizer's list."""
-    arch = gguf_architecture(reader)
+    field = gguf_file.field
+    arch = gguf_architecture(gguf_file)
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"unsupported GGUF architecture {arch!r}; expected llama, qwen2 or qwen3")
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
-    tensor_names = {t.name for t in reader.tensors}
+    scaling_type = field(f"{arch}.rope.scaling.type", "none")
+    tensor_names = {t.name for t in gguf_file.tensors}
     if scaling_type != "none" or "rope_freqs.weight" in tensor_names:
         raise ValueError(f"GGUF rope scaling ({scaling_type=}, rope_freqs) is not supported")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    if "tokenizer.ggml.tokens" in reader.fields:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    hidden = int(field(f"{arch}.embedding_length"))
+    heads = int(field(f"{arch}.attention.head_count"))
+    if "tokenizer.ggml.tokens" in gguf_file.metadata:
+        vocab = len(gguf_file.metadata["tokenizer.ggml.tokens"])
     else:
-        vocab = int(_field(reader, f"{arch}.vocab_size"))
+        vocab = int(field(f"{arch}.vocab_size"))
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(field(f"{arch}.block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=_float32_value(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_float32_value(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        num_key_value_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=_float32_value(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_float32_value(field(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         qk_norm=arch == "qwen3",
         attention_bias=arch == "qwen2",
@@ -141,20 +125,21 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def iter_gguf_tensors(
-    reader: gguf.GGUFReader, config: LlamaConfig
+    gguf_file: GGUFFile, config: LlamaConfig
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array in HF layout) for every tensor, one at a time."""
     permuted_heads = {}
     if config.model_type == "llama":
         permuted_heads = {"attn_q": config.num_attention_heads,
                           "attn_k": config.num_key_value_heads}
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in SUPPORTED_QUANTS:
+    for tensor in gguf_file.tensors:
+        if tensor.ggml_type not in SUPPORTED_QUANTS:
             raise ValueError(
-                f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
+                f"GGUF tensor {tensor.name!r} has unsupported type {tensor.ggml_type.name}"
             )
         name = hf_name(tensor.name)
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        raw = gguf_file.tensor_bytes(tensor)
+        values = gguf.quants.dequantize(raw, tensor.ggml_type).astype(np.float32)
         block = _BLOCK_TENSOR.fullmatch(tensor.name)
         if block and block.group(2) in permuted_heads and block.group(3) == "weight":
             values = unpermute_qk(values, permuted_heads[block.group(2)])

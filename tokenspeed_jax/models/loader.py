@@ -28,7 +28,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +36,7 @@ from jax.sharding import Mesh
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.models import gguf_checkpoint, hf_checkpoint, kimi_linear, orbax_checkpoint
+from tokenspeed_jax.models.gguf_file import GGUFFile
 from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -173,17 +173,17 @@ def load_checkpoint(
 
 def _load_weights(
     path: str | os.PathLike | None, dtype: str | Any, mesh: Mesh | None = None
-) -> tuple[LoadedCheckpoint, gguf.GGUFReader | None]:
-    """The checkpoint, and the open GGUF reader (for its tokenizer) when the format is GGUF."""
+) -> tuple[LoadedCheckpoint, GGUFFile | None]:
+    """The checkpoint, and the parsed GGUF file (for its tokenizer) when the format is GGUF."""
     start = time.perf_counter()
     root = default_model_path() if path is None else Path(path)
     fmt = detect_format(root)
     param_dtype = resolve_dtype(dtype)
-    reader = None
+    gguf_file = None
     if fmt == "gguf":
-        reader = gguf_checkpoint.open_gguf(root)
-        config = gguf_checkpoint.config_from_gguf(reader)
-        model = build_model(config, gguf_checkpoint.iter_gguf_tensors(reader, config),
+        gguf_file = GGUFFile(root)
+        config = gguf_checkpoint.config_from_gguf(gguf_file)
+        model = build_model(config, gguf_checkpoint.iter_gguf_tensors(gguf_file, config),
                             dtype=param_dtype, source=str(root), mesh=mesh)
     elif fmt == "hf" and kimi_linear.is_kimi_dir(root):
         config, model = kimi_linear.load_kimi_hf(root, param_dtype, mesh)
@@ -196,7 +196,7 @@ def _load_weights(
         model = orbax_checkpoint.restore_orbax(abstract_model(config, param_dtype), root,
                                                mesh=mesh)
     jax.block_until_ready(nnx.state(model))
-    return LoadedCheckpoint(model, config, root, fmt, time.perf_counter() - start), reader
+    return LoadedCheckpoint(model, config, root, fmt, time.perf_counter() - start), gguf_file
 
 
 def load_model(
@@ -206,9 +206,9 @@ def load_model(
     ``mesh``: place the weights sharded over it (tensor parallelism)."""
     from tokenspeed_jax.tokenizer import Tokenizer
 
-    checkpoint, reader = _load_weights(path, dtype, mesh)
-    if reader is not None:
-        tokenizer = Tokenizer.from_gguf(reader)
+    checkpoint, gguf_file = _load_weights(path, dtype, mesh)
+    if gguf_file is not None:
+        tokenizer = Tokenizer.from_gguf(gguf_file)
     else:
         tokenizer = Tokenizer.from_hf_dir(checkpoint.path)
     return LoadedModel(checkpoint.model, checkpoint.config, tokenizer, checkpoint.path,
