@@ -49,7 +49,9 @@ class PagedFakeRunner:
         return sampled
 
 
-def run_to_completion(scheduler: Scheduler, runner: PagedFakeRunner, requests, max_steps=10_000):
+def run_to_completion(scheduler: Scheduler, runner, requests, max_steps=10_000, check=None):
+    """Drive ``scheduler`` with ``runner`` until every request has its max_tokens; the batches.
+    ``check(scheduler)``, if given, runs after each schedule()."""
     for request in requests:
         scheduler.add(request)
     batches = []
@@ -58,6 +60,8 @@ def run_to_completion(scheduler: Scheduler, runner: PagedFakeRunner, requests, m
             return batches
         step = scheduler.schedule()
         assert not step.is_empty, "scheduler stalled with work left"
+        if check is not None:
+            check(scheduler)
         batches.append(step.batch)
         sampled = iter(runner.step(step.batch))
         scheduler.after_step(step)

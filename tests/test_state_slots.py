@@ -7,6 +7,7 @@ stale checkpoint or a prefix hit that skips tokens without their state changes t
 """
 
 import numpy as np
+from test_scheduler import run_to_completion
 
 from tokenspeed_jax.engine.batch import StepBatch
 from tokenspeed_jax.engine.block_manager import BlockManager
@@ -61,25 +62,14 @@ class RecurrentFakeRunner:
 
 def run(scheduler: Scheduler, requests: list[Request]) -> None:
     slots = scheduler.state_slots
-    runner = RecurrentFakeRunner(slots.num_slots)
-    for request in requests:
-        scheduler.add(request)
-    for _ in range(10_000):
-        if not scheduler.has_work:
-            return
-        step = scheduler.schedule()
-        assert not step.is_empty, "scheduler stalled with work left"
+
+    def rows_are_held_once(scheduler: Scheduler) -> None:
         held = [r.state_slot for r in scheduler.running]
         assert len(set(held)) == len(held) and all(0 <= s < slots.num_live for s in held)
         assert slots.num_free == slots.num_live - len(held)
-        sampled = iter(runner.step(step.batch))
-        scheduler.after_step(step)
-        for request, step_request in zip(step.requests, step.batch.requests):
-            if step_request.sample:
-                request.token_ids.append(next(sampled))
-                if request.num_output_tokens == request.params.max_tokens:
-                    scheduler.finish(request, "length")
-    raise AssertionError("requests did not finish")
+
+    run_to_completion(scheduler, RecurrentFakeRunner(slots.num_slots), requests,
+                      check=rows_are_held_once)
 
 
 def make_requests(seed: int, count: int, prefix: list[int]) -> list[Request]:

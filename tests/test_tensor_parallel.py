@@ -195,25 +195,18 @@ def test_head_counts_that_do_not_split_are_errors(heads, kv_heads, tp, message):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_llama_parameter_has_a_rule_that_splits_evenly(tp):
-    import jax
     from flax import nnx
+    from parallel_checks import splits_by_name
 
     from tokenspeed_jax.models.llama import LlamaConfig
     from tokenspeed_jax.models.loader import abstract_model
-    from tokenspeed_jax.parallel import AXIS, llama_param_spec
+    from tokenspeed_jax.parallel import llama_param_spec
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=4, qk_norm=True,
                          attention_bias=True, model_type="qwen2")
     state = nnx.state(abstract_model(config, "float32"))
-    split = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        name = [k.key for k in path if isinstance(getattr(k, "key", None), str)][-1]
-        spec = llama_param_spec(name, config, tp)
-        assert len(spec) <= leaf.ndim, name
-        axes = [i for i, axis in enumerate(spec) if axis == AXIS]
-        assert all(leaf.shape[i] % tp == 0 for i in axes), (name, leaf.shape, spec)
-        split[name] = bool(axes)
+    split = splits_by_name(state, lambda name: llama_param_spec(name, config, tp), tp)
     kv_split = tp == 2  # 2 KV heads: split 2 ways, replicated 4 ways
     assert split == {"embed_tokens": True, "lm_head": True, "q_proj": True, "q_bias": True,
                      "o_proj": True, "gate_proj": True, "up_proj": True, "down_proj": True,

@@ -346,11 +346,11 @@ def test_kimi_counts_that_do_not_split_are_errors(change, message):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_every_kimi_parameter_has_a_rule_that_splits_evenly(tp):
-    import jax
     from flax import nnx
+    from parallel_checks import splits_by_name
 
     from tokenspeed_jax.models.kimi_linear import KimiLinearConfig, abstract_kimi_model
-    from tokenspeed_jax.parallel import AXIS, kimi_param_spec
+    from tokenspeed_jax.parallel import kimi_param_spec
 
     raw = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
     raw["num_attention_heads"] = raw["num_key_value_heads"] = 4
@@ -358,14 +358,7 @@ def test_every_kimi_parameter_has_a_rule_that_splits_evenly(tp):
     raw["q_lora_rank"] = 8  # q_a_proj / q_b_proj instead of q_proj
     config = KimiLinearConfig.from_hf(raw)
     state = nnx.state(abstract_kimi_model(config, "float32"))
-    split = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        name = [k.key for k in path if isinstance(getattr(k, "key", None), str)][-1]
-        spec = kimi_param_spec(name, config, tp)
-        assert len(spec) <= leaf.ndim, name
-        axes = [i for i, axis in enumerate(spec) if axis == AXIS]
-        assert all(leaf.shape[i] % tp == 0 for i in axes), (name, leaf.shape, spec)
-        split[name] = bool(axes)
+    split = splits_by_name(state, lambda name: kimi_param_spec(name, config, tp), tp)
     replicated = {"f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
                   "e_score_correction_bias", "weight"}
     assert {n for n, s in split.items() if not s} == replicated
