@@ -16,6 +16,8 @@ Cases:
 
     python scripts/bench_startup.py --out startup.json            # GPU: all three cases
     python scripts/bench_startup.py --tiny                        # CPU smoke test, tiny shapes
+    python scripts/bench_startup.py --cases smollm2 --random-weights --server-ladder 2048
+                                        # the server's default ladders up to 2048 tokens a step
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def _digest(arrays) -> str:
 def _engine_config(args: argparse.Namespace, cache_dir: str):
     from tokenspeed_jax.config import EngineConfig
 
+    if args.server_ladder:
+        # The server's default ladders (EngineConfig's), up to --server-ladder tokens per step.
+        return EngineConfig(
+            prefill_graph_max_tokens=args.server_ladder, chunked_prefill_size=args.server_ladder,
+            max_model_len=4096, num_pages=1024, page_size=PAGE_SIZE, compile_progress=False,
+            compile_cache_dir=cache_dir, dtype="float32" if args.tiny else "bfloat16")
     if args.tiny:
         sizes = {"tokens": (16,), "prefill_bs": (1, 2), "decode": (1, 2), "max_len": 64,
                  "pages": 8}
@@ -207,6 +215,7 @@ def child(args: argparse.Namespace) -> None:
 def start_once(args: argparse.Namespace, case: str, cache_dir: str) -> dict:
     command = [sys.executable, __file__, "--child", "--case", case, "--cache-dir", cache_dir]
     command += ["--tiny"] * args.tiny + ["--random-weights"] * args.random_weights
+    command += ["--server-ladder", str(args.server_ladder)] * bool(args.server_ladder)
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -227,6 +236,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and buckets (CPU)")
     parser.add_argument("--random-weights", action="store_true",
                         help="smollm2 with random weights instead of the embedded GGUF")
+    parser.add_argument("--server-ladder", type=int, metavar="TOKENS",
+                        help="the server's default bucket ladders up to TOKENS per prefill step "
+                             "(instead of 3 token buckets), for a start-up like the server's")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
@@ -259,7 +271,8 @@ def main() -> None:
 
         device = jax.devices()[0]
         meta = {"device": device.device_kind, "platform": device.platform,
-                "jax": jax.__version__, "tiny": args.tiny, "xla_flags": os.environ.get("XLA_FLAGS")}
+                "jax": jax.__version__, "tiny": args.tiny, "server_ladder": args.server_ladder,
+                "xla_flags": os.environ.get("XLA_FLAGS")}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
