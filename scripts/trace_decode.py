@@ -32,7 +32,8 @@ from tokenspeed_jax.engine.batch import StepBatch
 
 def summarise(trace_file: Path, steps: int, top: int) -> list[dict]:
     """Per thread of the trace: microseconds per step in total and for its ``top`` events."""
-    data = json.loads(gzip.open(trace_file).read())
+    with gzip.open(trace_file) as compressed:
+        data = json.loads(compressed.read())
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
