@@ -48,21 +48,25 @@ def positions_from(start: int, batch: int, length: int) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(start, start + length, dtype=jnp.int32), (batch, length))
 
 
-def test_prompt_logits_match_transformers(golden):
+def prefill_prompt(golden) -> tuple[jax.Array, KimiCache]:
+    """The golden prompt's logits and the cache after it (96 slots)."""
     checkpoint, data, forward = golden
     ids = jnp.asarray(data["prompt_ids"])
     batch, length = ids.shape
     cache = KimiCache.create(checkpoint.config, batch, 96, jnp.float32)
-    logits, _ = forward(ids, positions_from(0, batch, length), cache)
+    return forward(ids, positions_from(0, batch, length), cache)
+
+
+def test_prompt_logits_match_transformers(golden):
+    _, data, _ = golden
+    logits, _ = prefill_prompt(golden)
     np.testing.assert_allclose(np.asarray(logits), data["logits"], atol=ATOL, rtol=0)
 
 
 def test_greedy_continuation_matches_transformers(golden):
-    checkpoint, data, forward = golden
-    ids = jnp.asarray(data["prompt_ids"])
-    batch, length = ids.shape
-    cache = KimiCache.create(checkpoint.config, batch, 96, jnp.float32)
-    logits, cache = forward(ids, positions_from(0, batch, length), cache)
+    _, data, forward = golden
+    batch, length = data["prompt_ids"].shape
+    logits, cache = prefill_prompt(golden)
     tokens = []
     for step in range(data["greedy_ids"].shape[1]):
         next_ids = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]

@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -235,6 +236,15 @@ def param_sharding(path: Sequence[Any], config: Any, mesh: Mesh) -> NamedShardin
     """The NamedSharding of the parameter at ``path`` of a model of either family."""
     rule = kimi_param_spec if is_kimi(config) else llama_param_spec
     return NamedSharding(mesh, rule(_param_name(path), config, mesh.size))
+
+
+def place_param(path: Sequence[Any], value: Any, dtype: Any, *, config: Any,
+                mesh: Mesh | None) -> jax.Array:
+    """A loaded parameter as a device array of ``dtype``: on the default device without a
+    mesh, else straight from the host onto its tensor-parallel sharding."""
+    if mesh is None:
+        return jnp.asarray(value, dtype=dtype)
+    return jax.device_put(np.asarray(value).astype(dtype), param_sharding(path, config, mesh))
 
 
 def place_model(model: Any, mesh: Mesh) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,52 @@ def leaf_holder(values: dict, path: tuple) -> tuple[dict, Any]:
     for key in parents:
         node = node[key]
     return node, leaf
+
+
+def fill_state(
+    state: Any,
+    weight_map: Mapping[str, Any],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    *,
+    source: str,
+    model_type: str,
+    ignored: Callable[[str], bool],
+    place: Callable[[tuple, np.ndarray, Any], Any],
+) -> None:
+    """Fill an abstract NNX ``state`` in place from (checkpoint name, array) pairs.
+
+    ``weight_map`` maps a checkpoint name to an entry with ``path``, ``hf_shape``, ``transform``
+    and, for one expert of a stacked ``[E, ...]`` parameter, ``expert`` (its index; absent or
+    None otherwise). ``place(path, value, dtype)`` makes the device array (on the parameter's
+    sharding). Shapes, duplicates, unused tensors (unless ``ignored``) and unfilled parameters
+    are errors naming the tensor (``check_tensor``, ``check_all_used``).
+    """
+    values = state.to_pure_dict()
+    filled: set[str] = set()
+    unused: list[str] = []
+    stacks: dict[tuple, np.ndarray] = {}
+    for name, array in tensors:
+        entry = weight_map.get(name)
+        if entry is None:
+            if not ignored(name):
+                unused.append(name)
+            continue
+        check_tensor(source, name, array.shape, entry.hf_shape, filled)
+        node, leaf = leaf_holder(values, entry.path)
+        value = entry.transform(np.asarray(array))
+        expert = getattr(entry, "expert", None)
+        if expert is None:
+            node[leaf] = place(entry.path, value, node[leaf].dtype)
+        else:
+            if entry.path not in stacks:
+                stacks[entry.path] = np.empty(node[leaf].shape, value.dtype)
+            stacks[entry.path][expert] = value
+        filled.add(name)
+    check_all_used(source, model_type, unused, weight_map, filled)
+    for path, stacked in stacks.items():
+        node, leaf = leaf_holder(values, path)
+        node[leaf] = place(path, stacked, node[leaf].dtype)
+    state.replace_by_pure_dict(values)
 
 
 def is_hf_dir(path: Path) -> bool:

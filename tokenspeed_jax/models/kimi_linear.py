@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -462,41 +463,12 @@ def build_kimi_model(
     ``mesh``: each parameter goes from the host straight onto its tensor-parallel sharding."""
     if mesh is not None:
         parallel.check_kimi(config, mesh.size)
-
-    def place(path: tuple, value: np.ndarray, target_dtype: Any) -> jax.Array:
-        if mesh is None:
-            return jnp.asarray(value, dtype=target_dtype)
-        return jax.device_put(np.asarray(value).astype(target_dtype),
-                              parallel.param_sharding(path, config, mesh))
-
     graphdef, state = nnx.split(abstract_kimi_model(config, dtype))
-    weight_map = kimi_weight_map(config)
-    values = state.to_pure_dict()
-    filled: set[str] = set()
-    unused: list[str] = []
-    stacks: dict[tuple, np.ndarray] = {}
-    for name, array in tensors:
-        entry = weight_map.get(name)
-        if entry is None:
-            if not name.endswith("rotary_emb.inv_freq"):
-                unused.append(name)
-            continue
-        hf_checkpoint.check_tensor(source, name, array.shape, entry.hf_shape, filled)
-        node, leaf = hf_checkpoint.leaf_holder(values, entry.path)
-        target_dtype = node[leaf].dtype
-        value = entry.transform(np.asarray(array))
-        if entry.expert is None:
-            node[leaf] = place(entry.path, value, target_dtype)
-        else:
-            if entry.path not in stacks:
-                stacks[entry.path] = np.empty(node[leaf].shape, value.dtype)
-            stacks[entry.path][entry.expert] = value
-        filled.add(name)
-    hf_checkpoint.check_all_used(source, MODEL_TYPE, unused, weight_map, filled)
-    for path, stacked in stacks.items():
-        node, leaf = hf_checkpoint.leaf_holder(values, path)
-        node[leaf] = place(path, stacked, node[leaf].dtype)
-    state.replace_by_pure_dict(values)
+    hf_checkpoint.fill_state(state, kimi_weight_map(config), tensors, source=source,
+                             model_type=MODEL_TYPE,
+                             ignored=lambda name: name.endswith("rotary_emb.inv_freq"),
+                             place=functools.partial(parallel.place_param, config=config,
+                                                     mesh=mesh))
     return nnx.merge(graphdef, state)
 
 

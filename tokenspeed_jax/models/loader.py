@@ -21,6 +21,7 @@ Invariants (``build_model``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import time
@@ -139,27 +140,11 @@ def build_model(
     if mesh is not None:
         parallel.check_llama(config, mesh.size)
     graphdef, state = nnx.split(abstract_model(config, dtype))
-    weight_map = LlamaForCausalLM.hf_weight_map(config)
-    values = state.to_pure_dict()
-    filled: set[str] = set()
-    unused: list[str] = []
-    for name, array in tensors:
-        entry = weight_map.get(name)
-        if entry is None:
-            if not ignored_tensor(name, config):
-                unused.append(name)
-            continue
-        hf_checkpoint.check_tensor(source, name, array.shape, entry.hf_shape, filled)
-        node, leaf = hf_checkpoint.leaf_holder(values, entry.path)
-        if mesh is None:
-            node[leaf] = jnp.asarray(entry.transform(array), dtype=node[leaf].dtype)
-        else:
-            node[leaf] = jax.device_put(
-                np.asarray(entry.transform(array)).astype(node[leaf].dtype),
-                parallel.llama_param_sharding(entry.path, config, mesh))
-        filled.add(name)
-    hf_checkpoint.check_all_used(source, config.model_type, unused, weight_map, filled)
-    state.replace_by_pure_dict(values)
+    hf_checkpoint.fill_state(state, LlamaForCausalLM.hf_weight_map(config), tensors,
+                             source=source, model_type=config.model_type,
+                             ignored=lambda name: ignored_tensor(name, config),
+                             place=functools.partial(parallel.place_param, config=config,
+                                                     mesh=mesh))
     return nnx.merge(graphdef, state)
 
 
