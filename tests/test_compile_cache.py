@@ -25,9 +25,9 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 # Distinct executables of the tiny runner below: embed+qkv, out+qkv, out and the attention break
-# (token bucket 16); per request bucket (1, 2): narrow, head, decode, resample, penalized
-# resample.
-NUM_EXECUTABLES = 4 + 5 * 2
+# (token bucket 16); per request bucket (1, 2): narrow, head, resample, penalized resample; one
+# decode step (decode buckets 1 and 2 share the two-row executable).
+NUM_EXECUTABLES = 4 + 4 * 2 + 1
 # Narrow and the resample plans read only their arguments: no model state in their keys.
 NUM_STATELESS = 2 + 2 * 2
 NEW_DECODE_BUCKET = 3  # decode, resample and penalized resample of one more decode bucket

@@ -140,6 +140,9 @@ def test_buckets_come_from_the_config(runner):
     assert runner.buckets.tokens == (16, 32)
     assert runner.buckets.prefill_requests == (1, 2)
     assert runner.buckets.decode_requests == (1, 2)
+    # one request decodes on the two-row executable: a padding row keeps the GEMMs two rows tall
+    assert runner.buckets.decode_executables == (2,) == tuple(runner._decode_steps)
+    assert [runner.buckets.decode_rows(n) for n in (1, 2)] == [2, 2]
 
 
 @pytest.mark.parametrize("lengths", [(5,), (16,), (23,), (7, 9), (3, 29)])
@@ -232,7 +235,7 @@ def test_kv_cache_is_donated_not_copied(runner):
 def test_batch_one_decode_updates_the_cache_in_place(runner):
     """A one-row KV write must stay an in-place scatter: XLA turns a one-row scatter into a
     dynamic-update-slice plus whole-cache copies, which made batch-1 decode 10x slower."""
-    decode = runner._decode_steps[1].calls[0].executable
+    decode = runner._decode_steps[2].calls[0].executable
     cache = runner.k_pages[0]
     cache_bytes = cache.size * cache.dtype.itemsize
     all_caches = 2 * runner.num_layers * cache_bytes

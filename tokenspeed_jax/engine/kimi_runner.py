@@ -472,8 +472,8 @@ class KimiRunner:
                 compiler.add(f"{route} T={tokens} N={requests}", self.plans[route],
                              {**inputs, **pools}, {"attention": attention, "kda": {}},
                              shardings=shardings)
-        decode_shapes = [(n, n) for n in self.buckets.decode_requests]
-        for rows in self.buckets.decode_requests:
+        decode_shapes = [(n, n) for n in self.buckets.decode_executables]
+        for rows in self.buckets.decode_executables:
             inputs, attention, _ = (abstract(m) for m in self.step_arrays([], rows, rows))
             compiler.add(f"decode T={rows} N={rows}", self.plans["decode"], {**inputs, **pools},
                          {"attention": attention}, shardings=shardings)
@@ -528,7 +528,7 @@ class KimiRunner:
     def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
         """(tokens, requests): the bucket of the executable a compiled step on ``route`` runs."""
         if route == "decode":
-            rows = choose_bucket(self.buckets.decode_requests, len(requests))
+            rows = self.buckets.decode_rows(len(requests))
             return rows, rows
         return (choose_bucket(self.buckets.tokens, sum(r.num_tokens for r in requests)),
                 choose_bucket(self.buckets.prefill_requests, len(requests)))

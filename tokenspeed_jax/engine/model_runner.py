@@ -3,7 +3,8 @@
 Routes, chosen per step from static configuration and the step's sizes:
 
 * **Decode graph**: every request decodes one token. One whole-step executable per decode batch
-  bucket (embedding, all layers with paged attention inside, head and the in-step sampler). A
+  bucket (embedding, all layers with paged attention inside, head and the in-step sampler); the
+  executables have at least ``MIN_DECODE_ROWS`` rows, so bucket 1 runs on the bucket-2 one. A
   step with more requests than the largest bucket is split into bucket-sized groups (counted).
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the
   Pallas op on a GPU), so its cost follows the live context, not ``max_model_len``.
@@ -121,6 +122,12 @@ def split_requests(
     return groups
 
 
+# XLA on GPUs rewrites a one-row matrix product as a multiply and a reduce that it does not fuse,
+# writing each weight out whole: a one-request decode step runs on two rows instead (the
+# SmolLM2 shape's step took 3.27 ms on one row, 2.76 ms on two, on an H200).
+MIN_DECODE_ROWS = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The bucket ladders a runner compiles; empty tuples mean that route is off."""
@@ -147,6 +154,16 @@ class Buckets:
                 batch_ladder(max_bs) if config.decode_graph_capture_batch_sizes is None
                 else explicit_ladder(config.decode_graph_capture_batch_sizes, max_bs))
         return cls(tokens, requests, decode_requests)
+
+    def decode_rows(self, count: int) -> int:
+        """Rows of the decode executable that runs ``count`` requests: their bucket, but at least
+        ``MIN_DECODE_ROWS`` (extra rows are padding requests)."""
+        return max(choose_bucket(self.decode_requests, count), MIN_DECODE_ROWS)
+
+    @property
+    def decode_executables(self) -> tuple[int, ...]:
+        """The row counts of the decode executables: one per bucket, small buckets merged."""
+        return tuple(sorted({max(rows, MIN_DECODE_ROWS) for rows in self.decode_requests}))
 
 
 class ModelRunner:
@@ -434,11 +451,11 @@ class ModelRunner:
             hidden = jax.ShapeDtypeStruct((rows, hidden_size), hidden_dtype)
             compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": hidden},
                          abstract(self._head_meta([], rows)))
-        for rows in self.buckets.decode_requests:
+        for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
             compiler.add(f"decode B={rows}", self.decode_plan, caches, meta, shardings)
         self.resampler.add(compiler, [*self.buckets.prefill_requests,
-                                      *self.buckets.decode_requests])
+                                      *self.buckets.decode_executables])
         plans, summary = compiler.compile_all()
         for label, plan in self.resampler.adopt(plans).items():
             kind, *sizes = label.split()
@@ -512,12 +529,12 @@ class ModelRunner:
     def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[CompiledPlan, dict]:
         """The compiled decode step for ``requests`` (at most the largest decode bucket) and its
         host-built metadata (one packed buffer)."""
-        rows = choose_bucket(self.buckets.decode_requests, len(requests))
+        rows = self.buckets.decode_rows(len(requests))
         return self._decode_steps[rows], {"decode": self._decode_meta(requests, rows)}
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
         plan, meta = self.decode_inputs(requests)
-        rows = choose_bucket(self.buckets.decode_requests, len(requests))
+        rows = self.buckets.decode_rows(len(requests))
         self.counters["decode_graph_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
