@@ -4,16 +4,19 @@ pool (checkpoints included); padded requests and tokens never write a pool row o
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepRequest
 from tokenspeed_jax.engine.kimi_runner import KimiRunner, checkpoint_split
 from tokenspeed_jax.graph import choose_bucket
+from tokenspeed_jax.models.kimi_linear import MLA, KimiLinearForCausalLM
 from tokenspeed_jax.models.loader import load_checkpoint
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -214,3 +217,19 @@ def test_disable_switch_compiles_only_the_ordinary_route():
     assert runner.route(batch) == "ordinary"
     pools = noisy_pools(runner, 4)
     assert_same(run(runner, pools, "ordinary", batch), run(runner, pools, "eager", batch))
+
+
+def test_a_model_without_kda_layers_runs_with_nothing_to_restore():
+    """Only MLA layers: no KDA state pools and no restore executable; compiled == eager."""
+    base = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32").config
+    config = dataclasses.replace(base, num_hidden_layers=2, layer_types=(MLA, MLA))
+    model = KimiLinearForCausalLM(config, rngs=nnx.Rngs(3))
+    mla_only = KimiRunner(model, CONFIG, num_pages=24, num_state_slots=2, page_size=PAGE)
+    summary = mla_only.compile_all()
+    assert mla_only.state_pools == () and mla_only.restore_plan is None
+    assert not any(label.startswith("restore") for label in summary.seconds_per_label)
+    prompt, _ = prompts(5)
+    requests = [request("a", prompt, 0, 1, 0, checkpoint=1)]
+    pools = noisy_pools(mla_only, 6)
+    assert_same(run(mla_only, pools, "inline", requests), run(mla_only, pools, "eager", requests))
+    mla_only.guard.disarm()

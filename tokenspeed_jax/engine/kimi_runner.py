@@ -250,9 +250,12 @@ class KimiRunner:
                                                                        "decode")}
         self.plans["reference"] = self._forward_plan("ordinary", impl="reference")
         self.state_pools = tuple(n for n in self.pools if not n.startswith("latent"))
-        restore = Segment("restore", _copy_rows, ("restore_src", "restore_dst", *self.state_pools),
-                          self.state_pools, self.state_pools)
-        self.restore_plan = Plan([Call(restore)], restore.inputs, restore.outputs)
+        self.restore_plan = None  # a model without KDA layers has no states to restore
+        if self.state_pools:
+            restore = Segment("restore", _copy_rows,
+                              ("restore_src", "restore_dst", *self.state_pools),
+                              self.state_pools, self.state_pools)
+            self.restore_plan = Plan([Call(restore)], restore.inputs, restore.outputs)
         self.restore_rows = self.buckets.prefill_requests[-1]
         head = Break("sample", self._head, ("hidden",), HEAD_OUTPUTS)
         self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), HEAD_OUTPUTS)
@@ -482,11 +485,12 @@ class KimiRunner:
             head = abstract(self.step_arrays([], tokens, requests)[2])
             compiler.add(f"head T={tokens} N={requests}", self.head_plan, {"hidden": hidden},
                          {"sample": head})
-        rows = abstract({"restore_src": np.zeros(self.restore_rows, np.int32),
-                         "restore_dst": np.zeros(self.restore_rows, np.int32)})
-        compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}", self.restore_plan,
-                     {**rows, **{n: pools[n] for n in self.state_pools}},
-                     shardings=shardings)
+        if self.restore_plan is not None:
+            rows = abstract({"restore_src": np.zeros(self.restore_rows, np.int32),
+                             "restore_dst": np.zeros(self.restore_rows, np.int32)})
+            compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}",
+                         self.restore_plan, {**rows, **{n: pools[n] for n in self.state_pools}},
+                         shardings=shardings)
         self.resampler.add(compiler, [n for _, n in dict.fromkeys(shapes + decode_shapes)])
         plans, summary = compiler.compile_all()
         for label, plan in self.resampler.adopt(plans).items():
@@ -573,7 +577,8 @@ class KimiRunner:
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
         """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""
-        pairs = [(r.restore_slot, r.state_slot) for r in requests if r.restore_slot >= 0]
+        pairs = [(r.restore_slot, r.state_slot) for r in requests
+                 if r.restore_slot >= 0 and self.restore_plan is not None]
         for start in range(0, len(pairs), self.restore_rows):
             src = np.full(self.restore_rows, -1, np.int32)
             dst = np.full(self.restore_rows, -1, np.int32)
