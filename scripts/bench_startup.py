@@ -2,17 +2,32 @@
 
 For each case a child process is started twice on one empty cache directory: the first start
 compiles and fills the cache (cold), the second loads from it (warm). The parent times each from
-spawning the process to the child's "ready" line (imports, weights, KV cache, every executable),
-then the child runs a short greedy generation (or the kernels) and reports a digest of the
-outputs, which must be identical between the two starts. Compiles are counted through jax's
-monitoring events during the compile phase.
+spawning the process to the child's "ready" line, then the child runs a short greedy generation
+(or the kernels) and reports a digest of the outputs, which must be identical between the two
+starts.
 
 Cases:
-* ``smollm2``: ``build_engine`` exactly as the server calls it (embedded SmolLM2 GGUF), or random
-  weights of its shape with --random-weights (e.g. where the gguf package is missing);
-* ``llama8b-shape``: random bf16 weights of Llama-3-8B's shape, ModelRunner + compile_all;
+* ``smollm2``: the embedded SmolLM2 GGUF, or with --random-weights (or --tiny) a random checkpoint
+  of its shape (e.g. where the GGUF cannot be shipped);
+* ``llama8b-shape``: a random checkpoint of Llama-3-8B's shape;
 * ``kda``: a plan of the Pallas KDA kernels (chunked prefill and recurrent decode over a state
   pool): Triton custom calls inside the executables, loaded in a fresh process.
+
+Invariants:
+
+* The model cases start exactly as the server does: ``build_engine`` on an ``EngineConfig`` whose
+  ``model`` is the checkpoint (None: the embedded GGUF), so loading, KV sizing and compiling are
+  the server's own. Only the checkpoint load is split off to time it: the child calls
+  ``load_model`` as ``build_engine`` would and hands the result to it.
+* A random checkpoint (``random_checkpoint.py``: bf16, float32 with --tiny, the tokenizer of
+  ``tests/golden/tiny_llama``) is written by the parent once per case, before the two starts,
+  into the case's temporary directory; its writing time is reported on its own, never as
+  start-up. With --tiny both model cases use the ``tiny`` shape.
+* The ready line splits the start into imports, checkpoint load and the plan compile (executables
+  loaded from the cache vs compiled); the total runs from the child's first line. Compiles are
+  jax's backend-compile monitoring events: all of them, and those inside
+  ``PlanCompiler.compile_all`` (the plan executables, the only ones the cache can serve); the rest
+  (eager ops such as KV-cache allocation) are compiled again by every start.
 
     python scripts/bench_startup.py --out startup.json            # GPU: all three cases
     python scripts/bench_startup.py --tiny                        # CPU smoke test, tiny shapes
@@ -24,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -34,6 +50,8 @@ from pathlib import Path
 
 CASES = ("smollm2", "llama8b-shape", "kda")
 PAGE_SIZE = 16
+# The random checkpoints' tokenizer: a 320-token byte-level BPE that ships with the tests.
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "tests" / "golden" / "tiny_llama"
 
 
 def _digest(arrays) -> str:
@@ -45,15 +63,41 @@ def _digest(arrays) -> str:
     return digest.hexdigest()[:16]
 
 
+def _dtype(args: argparse.Namespace) -> str:
+    """Weights and compute: float32 for the CPU smoke test, else bfloat16."""
+    return "float32" if args.tiny else "bfloat16"
+
+
+def _needs_checkpoint(args: argparse.Namespace, case: str) -> bool:
+    """Whether the case starts from a random checkpoint the parent writes."""
+    return case == "llama8b-shape" or (case == "smollm2" and (args.random_weights or args.tiny))
+
+
+def _write_checkpoint(args: argparse.Namespace, case: str, model_dir: Path) -> float:
+    """Write the case's random checkpoint into ``model_dir``; the seconds it took."""
+    import dataclasses
+
+    from random_checkpoint import load_tokenizer, shape_config, write_random_checkpoint
+
+    began = time.perf_counter()
+    shape = shape_config("tiny" if args.tiny else case)
+    # the tiny shape's 256-row vocabulary is smaller than the tokenizer's: widen it to fit
+    vocab_size = max(shape.vocab_size, load_tokenizer(TOKENIZER_DIR).get_vocab_size())
+    write_random_checkpoint(model_dir, dataclasses.replace(shape, vocab_size=vocab_size),
+                            TOKENIZER_DIR, dtype=_dtype(args))
+    return time.perf_counter() - began
+
+
 def _engine_config(args: argparse.Namespace, cache_dir: str):
     from tokenspeed_jax.config import EngineConfig
 
     if args.server_ladder:
         # The server's default ladders (EngineConfig's), up to --server-ladder tokens per step.
         return EngineConfig(
-            prefill_graph_max_tokens=args.server_ladder, chunked_prefill_size=args.server_ladder,
-            max_model_len=4096, num_pages=1024, page_size=PAGE_SIZE, compile_progress=False,
-            compile_cache_dir=cache_dir, dtype="float32" if args.tiny else "bfloat16")
+            model=args.model, prefill_graph_max_tokens=args.server_ladder,
+            chunked_prefill_size=args.server_ladder, max_model_len=4096, num_pages=1024,
+            page_size=PAGE_SIZE, compile_progress=False, compile_cache_dir=cache_dir,
+            dtype=_dtype(args))
     if args.tiny:
         sizes = {"tokens": (16,), "prefill_bs": (1, 2), "decode": (1, 2), "max_len": 64,
                  "pages": 8}
@@ -61,37 +105,29 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
         sizes = {"tokens": (128, 512, 2048), "prefill_bs": (1, 4), "decode": (1, 8, 32),
                  "max_len": 4096, "pages": 1024}
     return EngineConfig(
-        prefill_graph_capture_token_sizes=sizes["tokens"],
+        model=args.model, prefill_graph_capture_token_sizes=sizes["tokens"],
         prefill_graph_max_tokens=max(sizes["tokens"]), chunked_prefill_size=max(sizes["tokens"]),
         prefill_graph_capture_batch_sizes=sizes["prefill_bs"],
         prefill_graph_max_bs=max(sizes["prefill_bs"]),
         decode_graph_capture_batch_sizes=sizes["decode"], decode_graph_max_bs=max(sizes["decode"]),
         max_num_seqs=max(sizes["decode"]), max_model_len=sizes["max_len"],
         num_pages=sizes["pages"], page_size=PAGE_SIZE, compile_progress=False,
-        compile_cache_dir=cache_dir, dtype="float32" if args.tiny else "bfloat16")
+        compile_cache_dir=cache_dir, dtype=_dtype(args))
 
 
-def _runner(args: argparse.Namespace, config):
-    """(ModelRunner with every executable ready, its compile summary)."""
-    if args.case == "smollm2" and not args.random_weights and not args.tiny:
-        from tokenspeed_jax.engine.engine import build_engine
+def _engine(config):
+    """``build_engine(config)`` as the server runs it, the checkpoint load timed on its own:
+    (runner with every executable ready, compile summary, checkpoint load seconds)."""
+    from tokenspeed_jax import parallel
+    from tokenspeed_jax.engine.engine import build_engine
+    from tokenspeed_jax.models.loader import load_model
 
-        bundle = build_engine(config)
-        return bundle.runner, bundle.compile_summary
-    import jax.numpy as jnp
-    from flax import nnx
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_graph import SHAPES
-
-    from tokenspeed_jax.engine.model_runner import ModelRunner
-    from tokenspeed_jax.models.llama import LlamaForCausalLM
-
-    dtype = jnp.dtype(config.dtype)
-    shape = SHAPES["tiny" if args.tiny else args.case]
-    model = LlamaForCausalLM(shape, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    runner = ModelRunner(model, config, config.num_pages, config.page_size)
-    return runner, runner.compile_all()
+    began = time.perf_counter()
+    loaded = load_model(config.model, dtype=config.dtype,
+                        mesh=parallel.make_mesh(config.tensor_parallel_size))
+    load_seconds = time.perf_counter() - began
+    bundle = build_engine(config, loaded)
+    return bundle.runner, bundle.compile_summary, load_seconds
 
 
 def _generate(runner) -> str:
@@ -184,38 +220,70 @@ def _kda(args: argparse.Namespace, cache_dir: str):
 # ------------------------------------------------------------------- child and parent
 
 
+class BackendCompiles:
+    """This process's backend compiles (jax monitoring events), counting apart those made while a
+    ``PlanCompiler.compile_all`` runs: the plan executables, the ones the cache can serve."""
+
+    def __init__(self):
+        from jax import monitoring
+
+        from tokenspeed_jax.graph import PlanCompiler
+
+        self.seconds: list[float] = []
+        self.in_plans = 0
+        self._inside_plans = False
+        monitoring.register_event_duration_secs_listener(self._record)
+        compile_all = PlanCompiler.compile_all
+
+        def counted_compile_all(compiler):
+            self._inside_plans = True
+            try:
+                return compile_all(compiler)
+            finally:
+                self._inside_plans = False
+
+        PlanCompiler.compile_all = counted_compile_all
+
+    def _record(self, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.seconds.append(duration)
+            self.in_plans += self._inside_plans
+
+
 def child(args: argparse.Namespace) -> None:
     """One start-up: print READY with phase timings when serving could begin, then DONE."""
     start = time.perf_counter()
-    from jax import monitoring
-
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(duration)
-        if event == "/jax/core/compile/backend_compile_duration" else None)
-    import jax  # noqa: F401 - time the import on its own
+    compiles = BackendCompiles()  # imports jax and the plan compiler: part of the import phase
+    if args.case != "kda":  # the server's modules, timed as imports
+        for module in ("tokenspeed_jax.engine.engine", "tokenspeed_jax.models.loader"):
+            importlib.import_module(module)
 
     imported = time.perf_counter()
-    cache_dir = args.cache_dir
+    checkpoint_load_s = None
     if args.case == "kda":
-        run, summary = _kda(args, cache_dir)
+        run, summary = _kda(args, args.cache_dir)
     else:
-        runner, summary = _runner(args, _engine_config(args, cache_dir))
+        runner, summary, checkpoint_load_s = _engine(_engine_config(args, args.cache_dir))
+
         def run() -> str:
             return _generate(runner)
     ready = time.perf_counter()
     print("READY " + json.dumps({
-        "import_s": imported - start, "in_process_s": ready - start,
-        "loaded": summary.num_loaded, "compiled": summary.num_compiled,
-        "load_s": summary.load_seconds, "compile_s": summary.compile_seconds,
-        "backend_compiles": len(compiles), "backend_compile_s": sum(compiles)}), flush=True)
+        "import_s": imported - start, "checkpoint_load_s": checkpoint_load_s,
+        "in_process_s": ready - start, "loaded": summary.num_loaded,
+        "compiled": summary.num_compiled, "load_s": summary.load_seconds,
+        "compile_s": summary.compile_seconds, "backend_compiles": len(compiles.seconds),
+        "plan_backend_compiles": compiles.in_plans,
+        "backend_compile_s": sum(compiles.seconds)}), flush=True)
     print("DONE " + json.dumps({"outputs": run()}), flush=True)
 
 
-def start_once(args: argparse.Namespace, case: str, cache_dir: str) -> dict:
-    command = [sys.executable, __file__, "--child", "--case", case, "--cache-dir", cache_dir]
+def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
+               model_dir: Path | None) -> dict:
+    command = [sys.executable, __file__, "--child", "--case", case, "--cache-dir", str(cache_dir)]
     command += ["--tiny"] * args.tiny + ["--random-weights"] * args.random_weights
     command += ["--server-ladder", str(args.server_ladder)] * bool(args.server_ladder)
+    command += ["--model", str(model_dir)] * (model_dir is not None)
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -230,12 +298,52 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: str) -> dict:
     return result
 
 
+def bench_case(args: argparse.Namespace, case: str) -> dict:
+    """The case's random checkpoint (if any), then a cold and a warm start on one cache."""
+    with tempfile.TemporaryDirectory(prefix=f"startup-{case}-") as work:
+        cache_dir, model_dir = Path(work) / "cache", None
+        cache_dir.mkdir()
+        write_s = None
+        if _needs_checkpoint(args, case):
+            model_dir = Path(work) / "model"
+            write_s = _write_checkpoint(args, case, model_dir)
+            print(f"{case}: wrote a random checkpoint in {write_s:.1f}s", flush=True)
+        cold = start_once(args, case, cache_dir, model_dir)
+        warm = start_once(args, case, cache_dir, model_dir)
+        size = sum(f.stat().st_size for f in cache_dir.iterdir())
+    return {"case": case, "checkpoint_write_s": write_s, "cold": cold, "warm": warm,
+            "warm_over_cold": warm["ready_s"] / cold["ready_s"],
+            "identical_outputs": cold["outputs"] == warm["outputs"], "cache_bytes": size}
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def print_table(rows: list[dict]) -> None:
+    """Cold and warm start per case; the phases (import, checkpoint load, executables loaded
+    from the cache) and the compiles outside the plans are the warm start's."""
+    print(f"{'case':<15} {'write s':>7} {'cold s':>7} {'warm s':>7} {'warm/cold':>9} "
+          f"{'compiled':>8} {'loaded':>6} {'compiles cold/warm':>18} {'non-plan warm':>13} "
+          f"{'import s':>8} {'ckpt s':>6} {'exe load s':>10} {'same out':>8}")
+    for row in rows:
+        cold, warm = row["cold"], row["warm"]
+        non_plan = warm["backend_compiles"] - warm["plan_backend_compiles"]
+        print(f"{row['case']:<15} {seconds(row['checkpoint_write_s']):>7} "
+              f"{cold['ready_s']:7.1f} {warm['ready_s']:7.1f} {row['warm_over_cold']:9.1%} "
+              f"{cold['compiled']:8d} {warm['loaded']:6d} "
+              f"{cold['backend_compiles']:>11d}/{warm['backend_compiles']:<6d} {non_plan:13d} "
+              f"{warm['import_s']:8.1f} {seconds(warm['checkpoint_load_s']):>6} "
+              f"{warm['load_s']:10.2f} {row['identical_outputs']!s:>8}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and buckets (CPU)")
     parser.add_argument("--random-weights", action="store_true",
-                        help="smollm2 with random weights instead of the embedded GGUF")
+                        help="smollm2 from a random checkpoint of its shape instead of the "
+                             "embedded GGUF")
     parser.add_argument("--server-ladder", type=int, metavar="TOKENS",
                         help="the server's default bucket ladders up to TOKENS per prefill step "
                              "(instead of 3 token buckets), for a start-up like the server's")
@@ -243,29 +351,13 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    rows = []
-    for case in args.cases:
-        with tempfile.TemporaryDirectory(prefix=f"startup-{case}-") as cache_dir:
-            cold = start_once(args, case, cache_dir)
-            warm = start_once(args, case, cache_dir)
-            size = sum(f.stat().st_size for f in Path(cache_dir).iterdir())
-        rows.append({"case": case, "cold": cold, "warm": warm,
-                     "warm_over_cold": warm["ready_s"] / cold["ready_s"],
-                     "identical_outputs": cold["outputs"] == warm["outputs"],
-                     "cache_bytes": size})
-    # compiles: every XLA compile of the process (weights init and KV allocation included)
-    print(f"{'case':<15} {'cold s':>8} {'warm s':>8} {'warm/cold':>9} {'compiled':>9} "
-          f"{'loaded':>7} {'compiles cold/warm':>18} {'load s':>7} {'same out':>8}")
-    for row in rows:
-        cold, warm = row["cold"], row["warm"]
-        print(f"{row['case']:<15} {cold['ready_s']:8.1f} {warm['ready_s']:8.1f} "
-              f"{row['warm_over_cold']:9.1%} {cold['compiled']:9d} {warm['loaded']:7d} "
-              f"{cold['backend_compiles']:>11d}/{warm['backend_compiles']:<6d} "
-              f"{warm['load_s']:7.2f} {row['identical_outputs']!s:>8}")
+    rows = [bench_case(args, case) for case in args.cases]
+    print_table(rows)
     if args.out:
         import jax
 
