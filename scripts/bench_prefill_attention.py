@@ -107,6 +107,21 @@ def errors(out, ref) -> dict:
             "rel": float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))}
 
 
+def run_and_record(measure, label: dict, out: pathlib.Path | None, log_name: str) -> dict:
+    """One measurement's row: an exception becomes an error row (so the table still prints).
+    The row is printed and, with ``out``, appended to ``out / log_name`` as a JSON line."""
+    try:
+        row = measure()
+    except Exception as error:  # noqa: BLE001 - report and go on: the table must print
+        row = {"item": "error", **label, "error": f"{type(error).__name__}: {error}"[:400]}
+    print(json.dumps(row), flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / log_name).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
 def causal_flops(requests) -> float:
     """2 dots of 2 * Dh flops per (query head, query, visible key)."""
     pairs = sum(new * cached + new * (new + 1) // 2 for cached, new in requests)
@@ -154,16 +169,7 @@ def main() -> None:
         if time.perf_counter() - start > args.budget_s:
             rows.append({"item": "skipped (budget)"})
             continue
-        try:
-            row = item()
-        except Exception as error:  # noqa: BLE001 - report and go on: the table must print
-            row = {"item": "error", "error": f"{type(error).__name__}: {error}"[:400]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            with (args.out / "bench_prefill_attention.jsonl").open("a") as f:
-                f.write(json.dumps(row) + "\n")
+        rows.append(run_and_record(item, {}, args.out, "bench_prefill_attention.jsonl"))
     nan = float("nan")
     print(f"\n{'case':<18} {'blocks':<14} {'compile s':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
           f"{'ref ms':>9} {'rel err':>9}")

@@ -219,11 +219,12 @@ def test_disable_switch_compiles_only_the_ordinary_route():
     assert_same(run(runner, pools, "ordinary", batch), run(runner, pools, "eager", batch))
 
 
-def test_a_model_without_kda_layers_runs_with_nothing_to_restore():
+def test_a_model_without_kda_layers_runs_with_nothing_to_restore(runner):
     """Only MLA layers: no KDA state pools and no restore executable; compiled == eager."""
-    base = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32").config
-    config = dataclasses.replace(base, num_hidden_layers=2, layer_types=(MLA, MLA))
-    model = KimiLinearForCausalLM(config, rngs=nnx.Rngs(3))
+    config = dataclasses.replace(runner.model_config, num_hidden_layers=2,
+                                 layer_types=(MLA, MLA))
+    with runner.guard.allowed("random weights of a second model"):
+        model = KimiLinearForCausalLM(config, rngs=nnx.Rngs(3))
     mla_only = KimiRunner(model, CONFIG, num_pages=24, num_state_slots=2, page_size=PAGE)
     summary = mla_only.compile_all()
     assert mla_only.state_pools == () and mla_only.restore_plan is None

@@ -10,9 +10,11 @@ Routing (``KimiMoE.route``), per token, in float32:
 * weights are the chosen experts' plain scores, renormalised to sum to one when
   ``moe_renormalize`` (+1e-20, as the reference does), then times ``routed_scaling_factor``.
 
-Experts run as grouped matmuls (``lax.ragged_dot``) over the token-expert assignments sorted by
-expert, so the work is tokens x top-k, never tokens x experts; shapes stay static. Shared experts
-run on every token and add.
+Experts run as grouped matmuls (``expert_mlp``) over the token-expert assignments sorted by
+expert; shapes stay static. Shared experts run on every token and add. ``grouped_kernel`` picks
+the grouped matmul: ``lax.ragged_dot`` by default (XLA on the GPU lowers it densely, tokens x
+experts of work), or the Pallas kernel of ``kernels.grouped_matmul`` (tokens x top-k of work;
+not the default until it has been timed on a GPU: docs/benchmarks.md).
 
 Expert parallelism (``mesh`` given, ``parallel`` splits ``w1``/``w3``/``w2`` over the experts):
 the router runs replicated, so every device picks the same experts; under ``jax.shard_map`` each
@@ -32,6 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from tokenspeed_jax import parallel
+from tokenspeed_jax.kernels.grouped_matmul import (
+    REFERENCE_GROUPED_MATMUL,
+    GroupedMatmulKernel,
+    apply_grouped_matmul,
+)
 from tokenspeed_jax.models.layers import linear, normal_param
 
 ROUTER_EPS = 1e-20  # added to the renormalisation denominator, as in the reference router
@@ -54,6 +61,18 @@ class SwiGLU(nnx.Module):
         return linear("...F,FD->...D", nnx.silu(gate) * up, self.down_proj, self.dtype)
 
 
+def expert_mlp(rows: jax.Array, sizes: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
+               *, dtype: Any, kernel: GroupedMatmulKernel = REFERENCE_GROUPED_MATMUL) -> jax.Array:
+    """w2(silu(w1(row)) * w3(row)) of each row through its expert's weights, [M, D] in ``dtype``:
+    ``rows [M, D]`` sorted by expert, ``sizes i32[E]`` rows per expert; rows past ``sum(sizes)``
+    give zeros."""
+    def grouped(lhs: jax.Array, weight: jax.Array) -> jax.Array:
+        return apply_grouped_matmul(lhs, weight.astype(dtype), sizes, kernel=kernel)
+
+    rows = rows.astype(dtype)
+    return grouped(nnx.silu(grouped(rows, w1)) * grouped(rows, w3), w2)
+
+
 class KimiMoE(nnx.Module):
     """Routed experts plus shared experts; see the module docstring for the routing rule."""
 
@@ -72,6 +91,7 @@ class KimiMoE(nnx.Module):
         dtype: Any,
         param_dtype: Any,
         rngs: nnx.Rngs,
+        grouped_kernel: GroupedMatmulKernel = REFERENCE_GROUPED_MATMUL,
     ) -> None:
         if num_experts % num_groups:
             raise ValueError(f"num_experts={num_experts} must be a multiple of "
@@ -95,6 +115,7 @@ class KimiMoE(nnx.Module):
         self.renormalize = renormalize
         self.scaling = scaling
         self.dtype = dtype
+        self.grouped_kernel = grouped_kernel
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (expert ids int32 [T, k], float32 weights [T, k])."""
@@ -127,14 +148,8 @@ class KimiMoE(nnx.Module):
         order = jnp.argsort(key, stable=True)
         token = order // self.top_k
         sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
-        precision = jax.lax.Precision.HIGHEST if jnp.dtype(self.dtype) == jnp.float32 else None
-        rows = jnp.take(x, token, axis=0)
-
-        def grouped(lhs: jax.Array, weight: jax.Array) -> jax.Array:
-            return jax.lax.ragged_dot(lhs, weight.astype(self.dtype), sizes, precision=precision)
-
-        hidden = nnx.silu(grouped(rows, w1)) * grouped(rows, w3)
-        out = grouped(hidden, w2).astype(jnp.float32)
+        out = expert_mlp(jnp.take(x, token, axis=0), sizes, w1, w3, w2, dtype=self.dtype,
+                         kernel=self.grouped_kernel).astype(jnp.float32)
         keep = jnp.take(mine, order)[:, None]  # rows past the local groups hold no result
         out = jnp.where(keep, out * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
         return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
