@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+WORKER_DEVICES = 4
+
+
+def run_on_cpu_devices(script: str, *args: str, timeout: int = 600) -> dict:
+    """Run ``script`` (a test file that is its own worker) in a process that sees
+    ``WORKER_DEVICES`` CPU devices (set before jax is imported there); its last stdout line,
+    parsed as JSON."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={WORKER_DEVICES}",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, script, *args], check=False, env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=Path(script).parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def splits_by_name(state: Any, spec_of: Callable[[str], tuple], tp: int) -> dict[str, bool]:

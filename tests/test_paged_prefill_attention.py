@@ -5,10 +5,21 @@ the pages by hand, and against each other.
 The batch is ragged on purpose: cached prefixes ending mid-page and on a page boundary, new
 tokens straddling pages and query blocks, a one-token request, padding tokens, unused page-table
 rows, page tables whose width the kernel's key blocks do not divide.
+
+Under tensor parallelism the kernel runs per shard of the KV heads (``jax.shard_map``); those
+checks need several devices, so they run in a subprocess that sees 4 CPU devices: this file run
+as a script is that worker (``python tests/test_paged_prefill_attention.py sharded``; it prints
+one JSON line).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
+import types
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -183,8 +194,162 @@ def test_backend_choice_is_static_and_declared():
     assert choose_prefill_kernel(head_dim=64, page_size=16, dtype=jnp.bfloat16,
                                  platform="cpu").backend == REFERENCE
     assert choose_prefill_kernel(head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                                 platform="gpu").backend == PALLAS
-    assert choose_prefill_kernel(head_dim=128, page_size=16, dtype=jnp.bfloat16,
-                                 platform="gpu", devices=2).backend == REFERENCE
+                                 platform="gpu") == PrefillKernel(PALLAS)
     assert "head_dim=80" in prefill_unsupported_reason(head_dim=80, page_size=16,
                                                        dtype=jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def _pallas_calls(jaxpr, within=()) -> list[tuple[tuple[str, ...], list[tuple[int, ...]]]]:
+    """Every pallas_call in ``jaxpr`` and the jaxprs nested in it: (the primitives it is nested
+    in, its operand shapes)."""
+    calls = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            calls.append((within, [tuple(v.aval.shape) for v in eqn.invars]))
+            continue
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                calls += _pallas_calls(inner, (*within, eqn.primitive.name))
+    return calls
+
+
+def _sharded_kernel(mesh_size: int) -> dict:
+    """The Pallas kernel (interpreted) per shard of 4 KV heads over ``mesh_size`` devices, on
+    q and pages placed with the runner's shardings, vs the unsharded reference and by hand."""
+    from tokenspeed_jax import parallel
+
+    mesh = parallel.make_mesh(mesh_size)
+    kernel = PrefillKernel(PALLAS, BLOCKS, interpret=True, mesh=mesh)
+    rng = np.random.default_rng(mesh_size)
+    token_request, positions, tables = ragged_batch(rng)
+    q, k_pages, v_pages = filled_cache(rng, token_request, positions, tables, 8, 4, 16,
+                                       jnp.float32)
+    work = prefill_work(token_request, positions, num_rows=NUM_ROWS, block_q=BLOCKS.block_q)
+    config = types.SimpleNamespace(num_key_value_heads=4)
+    heads = parallel.attention_value_shardings(config, mesh)["q"]
+    pages = parallel.kv_cache_sharding(config, mesh)
+    metadata = [jax.device_put(x, parallel.replicated(mesh))
+                for x in (tables, token_request, positions, work)]
+    args = (jax.device_put(q, heads), jax.device_put(k_pages, pages),
+            jax.device_put(v_pages, pages), *metadata)
+    attend = jax.jit(lambda *a: paged_prefill_attention(*a, scale=SCALE, kernel=kernel),
+                     out_shardings=heads)
+    ((within, shapes),) = _pallas_calls(jax.make_jaxpr(attend)(*args).jaxpr)
+    sharded = attend(*args)
+    reference = np.asarray(paged_prefill_attention(q, k_pages, v_pages, *map(jnp.asarray, (
+        tables, token_request, positions)), None, scale=SCALE))
+    got = np.asarray(sharded)
+    want = expected(q, k_pages, v_pages, token_request, positions, tables)
+    return {"vs_reference": float(np.max(np.abs(got - reference))),
+            "vs_dense": float(np.max(np.abs(got - want))),
+            "padding_zero": not np.any(got[token_request < 0]),
+            "devices": len(sharded.sharding.device_set),
+            "under_shard_map": "shard_map" in within,
+            "q_heads_per_call": shapes[3][1], "kv_heads_per_call": shapes[4][0]}
+
+
+def _choices() -> dict:
+    """``choose_prefill_kernel`` with meshes: the backend and mesh size it picks, and what it
+    logged."""
+    from tokenspeed_jax.kernels import paged_prefill_attention as module
+    from tokenspeed_jax.parallel import make_mesh
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    module.logger.addHandler(handler)
+
+    def choice(platform: str, mesh_size: int, kv_heads: int) -> str:
+        kernel = choose_prefill_kernel(head_dim=128, page_size=16, dtype=jnp.bfloat16,
+                                       platform=platform, mesh=make_mesh(mesh_size),
+                                       num_kv_heads=kv_heads)
+        return f"{kernel.backend} {0 if kernel.mesh is None else kernel.mesh.size}"
+
+    return {"gpu 2 devices 8 kv": choice("gpu", 2, 8), "gpu 4 devices 2 kv": choice("gpu", 4, 2),
+            "cpu 2 devices 8 kv": choice("cpu", 2, 8), "logged": logged}
+
+
+def _tiny_llama(tp: int) -> dict:
+    """tiny_llama (4 query, 2 KV heads) through LLM over ``tp`` devices with the prefill kernel
+    the runner is given by ``choose_prefill_kernel``."""
+    from test_tensor_parallel import ENGINE, GOLDEN, PROMPTS
+
+    from tokenspeed_jax import LLM, SamplingParams
+
+    llm = LLM(str(GOLDEN / "tiny_llama"), tensor_parallel_size=tp,
+              **{**ENGINE, "compile_cache": False})
+    completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
+                                                             logprobs=0, ignore_eos=True))
+    kernel, stats = llm.runner.prefill_kernel, llm.stats()
+    llm.runner.guard.disarm()
+    return {"tokens": [c.token_ids for c in completions],
+            "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
+            "backend": kernel.backend, "kernel_devices": 0 if kernel.mesh is None
+            else kernel.mesh.size, "prefill_runs": stats["prefill_graph_runs"],
+            "runtime_compiles": stats["runtime_compiles"]}
+
+
+def _runner_runs() -> dict:
+    """tp=1 with the reference prefill (this CPU's choice), then tp=2 with the Pallas kernel
+    (interpreted) per KV-head shard, chosen as on a GPU."""
+    import dataclasses
+
+    from tokenspeed_jax.engine import model_runner
+
+    reference = _tiny_llama(1)
+
+    def pallas_kernel(**options):
+        kernel = choose_prefill_kernel(**options, platform="gpu")
+        return dataclasses.replace(kernel, blocks=PrefillBlocks(block_q=16, pages_per_block=2),
+                                   interpret=True)
+
+    model_runner.choose_prefill_kernel = pallas_kernel
+    return {"reference": reference, "pallas": _tiny_llama(2)}
+
+
+@pytest.fixture(scope="module")
+def sharded() -> dict:
+    from parallel_checks import run_on_cpu_devices
+
+    return run_on_cpu_devices(__file__, "sharded")
+
+
+@pytest.mark.parametrize("mesh_size", ["2", "4"])
+def test_kernel_per_kv_head_shard_matches_the_unsharded_reference(sharded, mesh_size):
+    """8 query and 4 KV heads: 4 and 2 per device over 2 devices, 2 and 1 over 4; the same
+    ragged batch as above."""
+    run = sharded["kernel"][mesh_size]
+    assert run["devices"] == int(mesh_size) and run["under_shard_map"]
+    assert (run["q_heads_per_call"], run["kv_heads_per_call"]) == (8 // int(mesh_size),
+                                                                    4 // int(mesh_size))
+    assert run["vs_reference"] < 2e-5 and run["vs_dense"] < 2e-5
+    assert run["padding_zero"]
+
+
+def test_choice_with_a_mesh_runs_per_shard_or_declares_replicated_kv_heads(sharded):
+    choices = sharded["choices"]
+    assert choices["gpu 2 devices 8 kv"] == "pallas 2"
+    assert choices["gpu 4 devices 2 kv"] == "reference 0"
+    assert choices["cpu 2 devices 8 kv"] == "reference 0"
+    (message,) = choices["logged"]
+    assert "num_kv_heads=2 are replicated over 4 devices" in message
+
+
+def test_pallas_prefill_per_shard_in_the_tp2_runner(sharded):
+    reference, pallas = sharded["runner"]["reference"], sharded["runner"]["pallas"]
+    assert (reference["backend"], reference["kernel_devices"]) == (REFERENCE, 0)
+    assert (pallas["backend"], pallas["kernel_devices"]) == (PALLAS, 2)
+    assert pallas["tokens"] == reference["tokens"]
+    for got, want in zip(pallas["logprobs"], reference["logprobs"]):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    for run in (reference, pallas):
+        assert run["prefill_runs"] > 0 and run["runtime_compiles"] == 0
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["sharded"]:
+    print(json.dumps({"kernel": {size: _sharded_kernel(int(size)) for size in ("2", "4")},
+                      "choices": _choices(), "runner": _runner_runs()}))

@@ -44,7 +44,8 @@ Invariants: ``make_mesh(1)`` is None and nothing is sharded (single-device progr
 impossible split; ``llama_param_spec`` and ``kimi_param_spec`` know every parameter by name and
 refuse an unknown one, so a new parameter cannot silently stay replicated. Pallas kernels cannot
 be partitioned by XLA: a stage that calls one runs it per shard through ``jax.shard_map`` over
-``AXIS`` with the specs of ``head_spec`` (the KDA kernels, the Pallas paged decode attention).
+``AXIS`` with the specs of ``head_spec`` (the KDA kernels, the Pallas paged decode and prefill
+attention).
 """
 
 from __future__ import annotations

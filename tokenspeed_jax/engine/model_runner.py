@@ -12,7 +12,8 @@ Routes, chosen per step from static configuration and the step's sizes:
   ``embed+qkv(0)``, ``out(i)+qkv(i+1)``, ``out(L-1)``, with an ``attention`` break per layer that
   writes the step's K/V into the paged cache, then lets every token attend to its request's keys
   0..its position through the request's page table (``paged_prefill_attention``: the Pallas
-  kernel on a GPU, chosen once by ``choose_prefill_kernel``). The attention metadata holds
+  kernel on a GPU, per KV-head shard under tensor parallelism, chosen once by
+  ``choose_prefill_kernel``). The attention metadata holds
   ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
   count, do not depend on how much context is cached. Then the *narrowing* break
   gathers each sampled request's last hidden row, and a *decoder* plan per row bucket runs the
@@ -208,8 +209,8 @@ class ModelRunner:
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
             num_kv_heads=cfg.num_key_value_heads)
         self.prefill_kernel = choose_prefill_kernel(
-            head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
-            devices=1 if self.mesh is None else self.mesh.size)
+            head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
+            num_kv_heads=cfg.num_key_value_heads)
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}

@@ -17,7 +17,8 @@ Invariants:
 * Tensor parallelism: a kernel with a ``mesh`` runs the op per shard under ``jax.shard_map``,
   queries and pages split by KV head over ``parallel.AXIS`` (each device's query heads read only
   its own KV heads, so no collective). With fewer KV heads than devices the cache is replicated
-  and a device's queries would need a slice of it: that case takes the reference, logged.
+  and a device's queries would need a slice of it: that case takes the reference, logged
+  (``kv_heads_split_problem``). Prefill attention shares this rule and ``shard_by_kv_head``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +105,26 @@ def paged_cache_problem(*, head_dim: int, page_size: int, dtype: jnp.dtype) -> s
     return None
 
 
+def kv_heads_split_problem(mesh: Mesh | None, num_kv_heads: int) -> str | None:
+    """Why a kernel cannot run per shard of ``num_kv_heads`` KV heads over ``mesh``, or None:
+    the heads must split evenly (fewer heads than devices are replicated, ``parallel.py``)."""
+    if mesh is None or num_kv_heads % mesh.size == 0:
+        return None
+    return f"num_kv_heads={num_kv_heads} are replicated over {mesh.size} devices, not split"
+
+
+def shard_by_kv_head(op: Callable[..., jax.Array], mesh: Mesh, *,
+                     num_replicated: int) -> Callable[..., jax.Array]:
+    """``op(q, k_pages, v_pages, *metadata)`` run per shard under ``jax.shard_map``: q
+    ``[T, Hq, Dh]`` and the result split by head, pages ``[Hkv, ...]`` by KV head, the
+    ``num_replicated`` metadata arrays replicated. A device's query heads read only its own KV
+    heads, so there is no collective."""
+    heads, pages = parallel.head_spec(3), parallel.head_spec(4, axis=0)
+    return jax.shard_map(op, mesh=mesh,
+                         in_specs=(heads, pages, pages, *(PartitionSpec(),) * num_replicated),
+                         out_specs=heads, check_vma=False)
+
+
 def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
                          platform: str | None = None, mesh: Mesh | None = None,
                          num_kv_heads: int = 1) -> DecodeKernel:
@@ -114,10 +136,8 @@ def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
     platform = platform or jax.default_backend()
     if platform != "gpu":
         return REFERENCE_KERNEL
-    reason = pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
-    if reason is None and mesh is not None and num_kv_heads % mesh.size:
-        reason = (f"num_kv_heads={num_kv_heads} are replicated over {mesh.size} devices, not "
-                  f"split")
+    reason = (pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+              or kv_heads_split_problem(mesh, num_kv_heads))
     if reason is not None:
         _log_reference_once(reason)
         return REFERENCE_KERNEL
@@ -157,8 +177,5 @@ def pallas_paged_decode(
     op = functools.partial(_pallas_op, block_h=kernel.block_h, pages_per_compute_block=block,
                            k_splits=k_splits, interpret=kernel.interpret)
     if kernel.mesh is not None:
-        heads, pages = parallel.head_spec(3), parallel.head_spec(4, axis=0)
-        op = jax.shard_map(op, mesh=kernel.mesh,
-                           in_specs=(heads, pages, pages, PartitionSpec(), PartitionSpec()),
-                           out_specs=heads, check_vma=False)
+        op = shard_by_kv_head(op, kernel.mesh, num_replicated=2)
     return op(scaled, k_pages, v_pages, tables, lengths).astype(q.dtype)

@@ -27,6 +27,13 @@ Two implementations of one function, chosen once and statically by ``choose_pref
 * ``ragged_paged_prefill_attention_reference``, plain JAX (the CPU path): per page-table row, all
   queries against that row's keys, in chunks of ``REFERENCE_CHUNK_SLOTS`` slots up to the row's
   live keys, each token taking the result of its own row. It needs no work items.
+
+Tensor parallelism, the rule of decode attention (``paged_attention_backend``): a Pallas kernel
+with a ``mesh`` runs per shard under ``jax.shard_map`` (``shard_by_kv_head``), q split by head,
+pages by KV head, page tables, positions and work items replicated; each device's query heads
+read only its own KV heads, so there is no collective. When the KV heads do not split over the
+mesh (fewer than the devices: the cache is replicated) ``choose_prefill_kernel`` takes the
+reference, logged once. The reference needs no mesh: XLA partitions it.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.sharding import Mesh
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.attention import gather_slots
@@ -50,7 +58,9 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
     REFERENCE,
+    kv_heads_split_problem,
     paged_cache_problem,
+    shard_by_kv_head,
 )
 
 logger = logging.getLogger(__name__)
@@ -78,11 +88,12 @@ class PrefillBlocks:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillKernel:
-    """How prefill attention runs: the backend, the kernel's knobs, and interpretation."""
+    """How prefill attention runs: the backend, the kernel's knobs, interpretation, the mesh."""
 
     backend: str = REFERENCE
     blocks: PrefillBlocks = PrefillBlocks()
     interpret: bool = False  # run the Pallas kernel in the interpreter (tests on the CPU)
+    mesh: Mesh | None = None  # run the Pallas kernel per shard of the KV heads over this mesh
 
     def __post_init__(self) -> None:
         if self.backend not in (PALLAS, REFERENCE):
@@ -324,20 +335,21 @@ def prefill_unsupported_reason(*, head_dim: int, page_size: int, dtype: jnp.dtyp
 
 
 def choose_prefill_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
-                          platform: str | None = None, devices: int = 1) -> PrefillKernel:
+                          platform: str | None = None, mesh: Mesh | None = None,
+                          num_kv_heads: int = 1) -> PrefillKernel:
     """The prefill kernel for this platform (default: JAX's default backend) and cache shape:
-    the Pallas kernel on a GPU, the reference elsewhere. ``devices`` > 1 (a KV cache sharded by
-    the runner's mesh) takes the reference: a Pallas call is one device's custom call."""
+    the Pallas kernel on a GPU, the reference elsewhere. With a ``mesh`` (the cache split by KV
+    head over it) the kernel runs per shard; a cache that replicates its ``num_kv_heads`` over
+    more devices takes the reference (module docstring)."""
     platform = platform or jax.default_backend()
     if platform != "gpu":
         return REFERENCE_PREFILL
-    reason = prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
-    if reason is None and devices > 1:
-        reason = f"the KV cache is sharded over {devices} devices"
+    reason = (prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+              or kv_heads_split_problem(mesh, num_kv_heads))
     if reason is not None:
         _log_reference_once(reason)
         return REFERENCE_PREFILL
-    return PrefillKernel(PALLAS)
+    return PrefillKernel(PALLAS, mesh=mesh)
 
 
 @functools.cache
@@ -358,12 +370,15 @@ def paged_prefill_attention(
     scale: float,
     kernel: PrefillKernel = REFERENCE_PREFILL,
 ) -> jax.Array:  # [T, Hq, Dh]
-    """Prefill attention through ``kernel``'s backend (the reference by default)."""
+    """Prefill attention through ``kernel``'s backend (the reference by default), per shard of
+    ``kernel.mesh`` when it has one."""
     if kernel.backend == PALLAS:
         if work is None:
             raise ValueError("the Pallas prefill kernel needs work items (prefill_work)")
-        return ragged_paged_prefill_attention(q, k_pages, v_pages, page_tables, positions, work,
-                                              scale=scale, blocks=kernel.blocks,
-                                              interpret=kernel.interpret)
+        op = functools.partial(ragged_paged_prefill_attention, scale=scale,
+                               blocks=kernel.blocks, interpret=kernel.interpret)
+        if kernel.mesh is not None:
+            op = shard_by_kv_head(op, kernel.mesh, num_replicated=3)
+        return op(q, k_pages, v_pages, page_tables, positions, work)
     return ragged_paged_prefill_attention_reference(q, k_pages, v_pages, page_tables,
                                                     token_request, positions, scale=scale)
