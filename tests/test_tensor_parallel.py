@@ -11,8 +11,6 @@ golden tests) and the HF logits of ``tests/golden``; tiny Llama and Qwen3 have 4
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -96,12 +94,9 @@ def _worker(mode: str, args: list[str]) -> dict:
 
 def run_worker(*args: str) -> dict:
     """Run this file as a 4-device worker; its JSON result."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, __file__, *args], check=False, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from parallel_checks import run_on_cpu_devices
+
+    return run_on_cpu_devices(__file__, *args, timeout=900)
 
 
 # ----------------------------------------------------------------------------- tests

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -234,15 +233,11 @@ def _worker(mode: str) -> dict:
     raise ValueError(f"unknown worker mode {mode!r}")
 
 
-def run_worker(mode: str) -> dict:
+def run_worker(*args: str) -> dict:
     """Run this file as a 4-device worker; its JSON result."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, __file__, mode], check=False, env=env,
-                          capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from parallel_checks import run_on_cpu_devices
+
+    return run_on_cpu_devices(__file__, *args, timeout=900)
 
 
 def assert_same_run(run: dict, base: dict, label: str) -> None:
