@@ -102,28 +102,38 @@ def test_donated_input_is_consumed_and_aliased(compiled):
     assert x.is_deleted()
 
 
+def fresh_compile(*shape: int) -> jax.Array:
+    """Always an XLA compile: a new function object misses jax's in-memory caches, whatever
+    earlier tests of the process compiled."""
+    return jax.jit(lambda v: v * 3 + 1)(np.zeros(shape, np.float32))
+
+
 def test_guard_counts_and_strict_raises_after_arming(compiled):
     plans, _ = compiled
     guard = CompileGuard(strict=True)
-    jnp.arange(3) * 2  # before arming: not counted
+    fresh_compile(3)  # before arming: not counted
     guard.arm()
-    x = jax.device_put(np.ones((32, WIDTH), np.float32))
-    plans["rows=32"].run({"x": x}, {"scale": {"factor": np.ones(32, np.float32)}})
-    assert guard.runtime_compiles == 0
-    with pytest.raises(RuntimeCompileError, match="shapes"):
-        jnp.arange(7) * 3 + 1
-    assert guard.runtime_compiles >= 1
-    with guard.allowed("test fallback"):
-        jnp.arange(11) * 5
-    assert guard.allowed_compiles >= 1
-    guard.disarm()
+    try:
+        x = jax.device_put(np.ones((32, WIDTH), np.float32))
+        plans["rows=32"].run({"x": x}, {"scale": {"factor": np.ones(32, np.float32)}})
+        assert guard.runtime_compiles == 0
+        with pytest.raises(RuntimeCompileError, match="shapes"):
+            fresh_compile(7)
+        assert guard.runtime_compiles >= 1
+        with guard.allowed("test fallback"):
+            fresh_compile(11)
+        assert guard.allowed_compiles >= 1
+    finally:
+        guard.disarm()
 
 
 def test_non_strict_guard_logs_function_and_shape(caplog):
     guard = CompileGuard(strict=False)
     guard.arm()
-    jnp.zeros((3, 13), jnp.float32) + 2
-    guard.disarm()
+    try:
+        fresh_compile(3, 13)
+    finally:
+        guard.disarm()
     assert guard.runtime_compiles >= 1
     assert any("13" in e.shapes for e in guard.events)
     assert "runtime compile" in caplog.text
