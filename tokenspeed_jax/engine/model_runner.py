@@ -15,9 +15,9 @@ Routes, chosen per step from static configuration and the step's sizes:
   kernel on a GPU, per KV-head shard under tensor parallelism, chosen once by
   ``choose_prefill_kernel``). The attention metadata holds
   ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
-  count, do not depend on how much context is cached. Then the *narrowing* break
-  gathers each sampled request's last hidden row, and a *decoder* plan per row bucket runs the
-  head and the in-step sampler on rows only. Steps with more tokens than the largest bucket are
+  count, do not depend on how much context is cached. Then the *narrowing* break (one per token
+  bucket) gathers each sampled request's last hidden row into a block of ``narrow_rows`` rows,
+  and a *decoder* plan per row bucket runs the head and the in-step sampler on its first rows. Steps with more tokens than the largest bucket are
   cut into chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the
   largest request bucket are split into groups.
 * **Sampling in two tiers** (``sampling_plans``): heads and decode steps end with the in-step
@@ -214,7 +214,7 @@ class ModelRunner:
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}
-        self._narrowers: dict[tuple[int, int], CompiledPlan] = {}
+        self._narrowers: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
         self._decode_steps: dict[int, CompiledPlan] = {}
         self.resampler = Resampler(self.model_config.vocab_size)
@@ -260,9 +260,12 @@ class ModelRunner:
         return jnp.take(hidden, meta["rows"], axis=0)
 
     def _head(self, params: Any, packed: Packed, hidden: jax.Array) -> tuple:
-        """The head and the in-step sampler on ``hidden`` rows: (sampled rows, fp32 logits)."""
+        """The head and the in-step sampler on the first rows of ``hidden``, one per sampling
+        row (a narrowed block holds ``narrow_rows`` rows): (sampled rows, fp32 logits)."""
+        sampling = unpack_sampling(packed.unpack())
+        hidden = hidden[:sampling.temperature.shape[0]]
         logits = self._outer(params).head(hidden).astype(jnp.float32)
-        return fast_sample(unpack_sampling(packed.unpack()), logits), logits
+        return fast_sample(sampling, logits), logits
 
     def _decode_step(self, params: Any, packed: Packed, *caches: jax.Array) -> tuple:
         """One decode step: the in-step sampler's rows, the logits (for ``resample``), caches."""
@@ -322,6 +325,12 @@ class ModelRunner:
         k_names, v_names = self._cache_names()
         specs = abstract(self.k_pages) + abstract(self.v_pages)
         return dict(zip(k_names + v_names, specs))
+
+    @property
+    def narrow_rows(self) -> int:
+        """Rows every narrowing gathers (the largest request bucket): one narrowing executable
+        per token bucket serves every request bucket, whose head reads its first rows."""
+        return self.buckets.prefill_requests[-1]
 
     def _table_rows(self, num_tokens: int) -> int:
         """Page-table rows of a token bucket's attention: every group it can hold fits."""
@@ -441,16 +450,13 @@ class ModelRunner:
             inputs, attention, _ = (abstract(m) for m in self.prefill_arrays([], tokens, 1))
             compiler.add(f"prefill T={tokens}", self.encoder_plan, {**inputs, **caches},
                          {"attention": attention}, shardings)
-            for requests in self.buckets.prefill_requests:
-                if requests > tokens:
-                    continue
-                head = abstract(self.prefill_arrays([], tokens, requests)[2])
-                hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
-                compiler.add(f"narrow T={tokens} B={requests}", self.narrow_plan,
-                             {"hidden": hidden}, {"narrow": {"rows": head["rows"]}})
+            head = abstract(self.prefill_arrays([], tokens, self.narrow_rows)[2])
+            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
+            compiler.add(f"narrow T={tokens}", self.narrow_plan, {"hidden": hidden},
+                         {"narrow": {"rows": head["rows"]}})
+        narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)
         for rows in self.buckets.prefill_requests:
-            hidden = jax.ShapeDtypeStruct((rows, hidden_size), hidden_dtype)
-            compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": hidden},
+            compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": narrowed},
                          abstract(self._head_meta([], rows)))
         for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
@@ -510,14 +516,14 @@ class ModelRunner:
         num_tokens = sum(r.num_tokens for r in requests)
         tokens = choose_bucket(self.buckets.tokens, num_tokens)
         rows = choose_bucket(self.buckets.prefill_requests, len(requests))
-        inputs, attention, head = self.prefill_arrays(requests, tokens, rows)
+        inputs, attention, head = self.prefill_arrays(requests, tokens, self.narrow_rows)
         self.counters["prefill_graph_runs"] += 1
         self.counters["real_tokens"] += num_tokens
         self.counters["padded_tokens"] += tokens - num_tokens
         out = self._encoders[tokens].run(
             {**jax.device_put(inputs), **self.kv_caches()}, {"attention": attention})
         self.store_kv_caches(out)
-        narrowed = self._narrowers[tokens, rows].run(
+        narrowed = self._narrowers[tokens].run(
             {"hidden": out["hidden"]}, {"narrow": {"rows": head["rows"]}})
         sampled_requests = [r for r in requests if r.sample]
         out = self._decoders[rows].run(narrowed, self._head_meta(sampled_requests, rows))
