@@ -577,8 +577,9 @@ class KimiRunner:
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
         """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""
-        pairs = [(r.restore_slot, r.state_slot) for r in requests
-                 if r.restore_slot >= 0 and self.restore_plan is not None]
+        if self.restore_plan is None:
+            return
+        pairs = [(r.restore_slot, r.state_slot) for r in requests if r.restore_slot >= 0]
         for start in range(0, len(pairs), self.restore_rows):
             src = np.full(self.restore_rows, -1, np.int32)
             dst = np.full(self.restore_rows, -1, np.int32)

@@ -17,9 +17,10 @@ Routes, chosen per step from static configuration and the step's sizes:
   ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
   count, do not depend on how much context is cached. Then the *narrowing* break (one per token
   bucket) gathers each sampled request's last hidden row into a block of ``narrow_rows`` rows,
-  and a *decoder* plan per row bucket runs the head and the in-step sampler on its first rows. Steps with more tokens than the largest bucket are
-  cut into chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the
-  largest request bucket are split into groups.
+  and a *decoder* plan per row bucket runs the head and the in-step sampler on its first rows.
+  Steps with more tokens than the largest bucket are cut into chunks (chunked prefill) or, with
+  chunking off, run eagerly; more requests than the largest request bucket are split into
+  groups.
 * **Sampling in two tiers** (``sampling_plans``): heads and decode steps end with the in-step
   sampler and also return their logits; when a sampled request needs penalties, truncation or
   top log-probabilities, the runner's ``Resampler`` samples those rows again with the full
@@ -334,7 +335,7 @@ class ModelRunner:
 
     def _table_rows(self, num_tokens: int) -> int:
         """Page-table rows of a token bucket's attention: every group it can hold fits."""
-        return min(num_tokens, self.buckets.prefill_requests[-1])
+        return min(num_tokens, self.narrow_rows)
 
     def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
                        num_requests: int, num_table_rows: int | None = None

@@ -125,6 +125,21 @@ def shard_by_kv_head(op: Callable[..., jax.Array], mesh: Mesh, *,
                          out_specs=heads, check_vma=False)
 
 
+def pallas_runs(shape_problem: str | None, *, platform: str | None, mesh: Mesh | None,
+                num_kv_heads: int, log: Callable[[str], None]) -> bool:
+    """The rule both attention kernels are chosen by: the Pallas kernel runs on a GPU
+    (``platform``, default JAX's default backend) for a cache shape it supports
+    (``shape_problem`` is None) whose KV heads split over ``mesh``. Otherwise the reference runs;
+    on a GPU, ``log`` gets the reason."""
+    if (platform or jax.default_backend()) != "gpu":
+        return False
+    reason = shape_problem or kv_heads_split_problem(mesh, num_kv_heads)
+    if reason is not None:
+        log(reason)
+        return False
+    return True
+
+
 def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
                          platform: str | None = None, mesh: Mesh | None = None,
                          num_kv_heads: int = 1) -> DecodeKernel:
@@ -133,13 +148,9 @@ def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
     With a ``mesh`` (the cache split by KV head over it) the op runs per shard; a cache that
     replicates its ``num_kv_heads`` over more devices takes the reference (module docstring).
     """
-    platform = platform or jax.default_backend()
-    if platform != "gpu":
-        return REFERENCE_KERNEL
-    reason = (pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
-              or kv_heads_split_problem(mesh, num_kv_heads))
-    if reason is not None:
-        _log_reference_once(reason)
+    problem = pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+    if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
+                       log=_log_reference_once):
         return REFERENCE_KERNEL
     return DecodeKernel(PALLAS, mesh=mesh)
 

@@ -58,8 +58,8 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
     REFERENCE,
-    kv_heads_split_problem,
     paged_cache_problem,
+    pallas_runs,
     shard_by_kv_head,
 )
 
@@ -341,13 +341,9 @@ def choose_prefill_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
     the Pallas kernel on a GPU, the reference elsewhere. With a ``mesh`` (the cache split by KV
     head over it) the kernel runs per shard; a cache that replicates its ``num_kv_heads`` over
     more devices takes the reference (module docstring)."""
-    platform = platform or jax.default_backend()
-    if platform != "gpu":
-        return REFERENCE_PREFILL
-    reason = (prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
-              or kv_heads_split_problem(mesh, num_kv_heads))
-    if reason is not None:
-        _log_reference_once(reason)
+    problem = prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+    if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
+                       log=_log_reference_once):
         return REFERENCE_PREFILL
     return PrefillKernel(PALLAS, mesh=mesh)
 
