@@ -15,8 +15,10 @@ import pytest
 from flax import nnx
 
 from tokenspeed_jax.kernels.grouped_matmul import (
+    REFERENCE_GROUPED_MATMUL,
     GroupedMatmulBlocks,
     GroupedMatmulKernel,
+    choose_grouped_kernel,
     grouped_matmul,
     grouped_matmul_reference,
     num_tiles,
@@ -128,6 +130,16 @@ def test_shapes_the_blocks_do_not_divide_are_rejected():
         GroupedMatmulBlocks(16, 48, 16)
     with pytest.raises(ValueError, match="dtype"):
         grouped_matmul(lhs, rhs.astype(jnp.bfloat16), jnp.zeros(G, jnp.int32), interpret=True)
+
+
+def test_the_pallas_kernel_is_chosen_on_gpus_for_sizes_its_blocks_divide():
+    kimi = {"sizes": (2304, 1024), "dtype": jnp.bfloat16}
+    assert choose_grouped_kernel(**kimi, platform="gpu").backend == PALLAS
+    assert choose_grouped_kernel(**kimi, platform="cpu") == REFERENCE_GROUPED_MATMUL
+    assert choose_grouped_kernel(sizes=(2304, 1000), dtype=jnp.bfloat16,
+                                 platform="gpu") == REFERENCE_GROUPED_MATMUL
+    assert choose_grouped_kernel(sizes=(2304, 1024), dtype=jnp.int8,
+                                 platform="gpu") == REFERENCE_GROUPED_MATMUL
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import StepRequest
+from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.kimi_runner import KimiRunner, checkpoint_split
 from tokenspeed_jax.graph import choose_bucket
 from tokenspeed_jax.models.kimi_linear import MLA, KimiLinearForCausalLM
@@ -58,6 +58,8 @@ def run(runner: KimiRunner, pools: dict, how: str, requests: list) -> tuple:
         runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
     if how == "eager":
         out = runner.run_eager(requests, plan="reference")
+    elif how == "step":
+        out = runner.step(StepBatch(requests))
     else:
         out = runner.run_compiled(how, requests)
     return out, {n: np.asarray(p) for n, p in runner.pools.items()}
@@ -155,6 +157,23 @@ def test_decode_route_matches_eager_and_extends_the_prefill(runner):
                                           request("b", short, 0, 8, slot=3)])
     assert_same(compiled, whole)
     assert runner.stats()["runtime_compiles"] == 0
+
+
+def test_a_mixed_step_runs_its_decode_rows_on_the_decode_route(runner):
+    """``step`` runs a mixed step's decode row on the decode route and the prompts on the inline
+    route; tokens and the whole pool match the eager reference of the step as one batch."""
+    long, short = prompts(2)
+    pools = noisy_pools(runner, 5)
+    mixed = [request("c", short[:9], 0, 16, slot=5),
+             dataclasses.replace(request("b", short, 0, 8, slot=3), sample=False),
+             request("a", long[:1], 70, 0, slot=1)]
+    before = dict(runner.stats())
+    stepped = run(runner, pools, "step", mixed)
+    runs = {key: runner.stats()[key] - before[key]
+            for key in ("mixed_splits", "decode_runs", "inline_runs", "eager_runs")}
+    assert runs == {"mixed_splits": 1, "decode_runs": 1, "inline_runs": 1, "eager_runs": 0}
+    assert len(stepped[0].token_ids) == 2
+    assert_same(stepped, run(runner, pools, "eager", mixed))
 
 
 def test_routes_and_fallbacks(runner):

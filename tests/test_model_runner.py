@@ -221,6 +221,31 @@ def test_mixed_workload_never_compiles_at_runtime(model, runner):
     assert 0.0 < stats["padding_waste"] < 1.0
 
 
+def test_a_mixed_step_runs_its_decode_rows_on_the_decode_graph(model, runner):
+    """The decode row of a mixed step takes the decode graph, the prompts the prefill graph,
+    and the sampled rows come back in the order of the batch."""
+    pages = Pages()
+    a, b, c = prompts(41, 9, 20, 5)
+    ta, tb, tc = (pages.take(len(x) + 2) for x in (a, b, c))
+    runner.step(StepBatch([request("a", a, 0, ta)]))
+    before = runner.stats()
+    out = runner.step(StepBatch([
+        request("c", c, 0, tc), request("b", b[:12], 0, tb, sample=False),
+        request("a", [7], len(a), ta, outputs=[7])]))
+    after = runner.stats()
+    runs = {key: after[key] - before[key]
+            for key in ("mixed_splits", "decode_graph_runs", "prefill_graph_runs", "eager_runs")}
+    assert runs == {"mixed_splits": 1, "decode_graph_runs": 1, "prefill_graph_runs": 1,
+                    "eager_runs": 0}
+    assert len(out.token_ids) == 2
+    check(model, runner, out.token_ids[0], out.logprobs[0], list(c), tc)
+    check(model, runner, out.token_ids[1], out.logprobs[1], [*a, 7], ta)
+    k, v = paged_kv(runner, tb, 12)
+    _, _, k_ref, v_ref = reference(model, runner, list(b[:12]))
+    np.testing.assert_allclose(k, k_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-4, atol=1e-5)
+
+
 def test_kv_cache_is_donated_not_copied(runner):
     old = runner.k_pages[0]
     table = Pages(50).take(4)

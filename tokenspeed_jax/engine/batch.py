@@ -19,6 +19,9 @@ asked for one. Invariants:
   ``state_slot`` before the step (a prefix-cache hit that ends at ``start_pos``);
   ``checkpoint_slot >= 0`` asks it to store the state at the step's last ``prefix_granularity``
   boundary in that row. All three are -1 for models without recurrent state.
+* A runner may run a *mixed* step (some requests decode, others prefill) as two, its decode rows
+  on the decode graph and the rest on the prefill route (``split_decode_rows``), and joins the
+  sampled rows back in the order of the batch, so the split never shows outside the runner.
 """
 
 from __future__ import annotations
@@ -77,3 +80,30 @@ class StepOutput:
     logprobs: np.ndarray  # float32 [num_sampled]: log-probability of the sampled token
     top_token_ids: np.ndarray | None = None  # int32 [num_sampled, k] when top_logprobs asked
     top_logprobs: np.ndarray | None = None  # float32 [num_sampled, k]
+
+
+def is_decode_row(request: StepRequest) -> bool:
+    """One sampled token past a known prefix: what a decode graph runs."""
+    return request.num_tokens == 1 and request.sample and request.start_pos > 0
+
+
+def split_decode_rows(
+    requests: list[StepRequest],
+) -> tuple[list[StepRequest], list[StepRequest], np.ndarray] | None:
+    """A mixed step as (decode rows, the rest, order), each part in batch order; None unless the
+    step has both. The batch's i-th sampled row is row ``order[i]`` of the decode rows' outputs
+    followed by the rest's sampled outputs."""
+    decode = [is_decode_row(r) for r in requests]
+    if all(decode) or not any(decode):
+        return None
+    num_decode = sum(decode)
+    order, next_decode, next_rest = [], 0, num_decode
+    for request, is_decode in zip(requests, decode):
+        if is_decode:
+            order.append(next_decode)
+            next_decode += 1
+        elif request.sample:
+            order.append(next_rest)
+            next_rest += 1
+    return ([r for r, d in zip(requests, decode) if d],
+            [r for r, d in zip(requests, decode) if not d], np.asarray(order, np.int64))

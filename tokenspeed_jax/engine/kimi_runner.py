@@ -8,12 +8,15 @@ segments with the same pieces and wiring are one executable. Routes per step:
 * **inline** (prefill and extend steps, the default): KDA layers (projections, short conv, the
   chunked Pallas KDA kernel, gated norm, output projection, MoE) run inside the segments; each
   MLA layer's latent paged attention is a break. One plan per (token bucket, request bucket).
-* **ordinary**: the same, with each KDA layer's core (the kernel) at a break. Taken for mixed
-  prefill/decode steps and when ``disable_kda_prefill_graph`` is set; a step with more requests
-  or tokens than the largest bucket runs this route eagerly at its exact size.
+* **ordinary**: the same, with each KDA layer's core (the kernel) at a break. Taken for steps
+  with a one-token continuation chunk and when ``disable_kda_prefill_graph`` is set; a step with
+  more requests or tokens than the largest bucket runs this route eagerly at its exact size.
 * **decode**: one token per request, the recurrent KDA kernel inline, MLA decode at the breaks;
   one plan per decode batch bucket.
 * **eager**: any plan op by op (``run_eager``), the reference the compiled routes match.
+
+A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
+route and the rest on the route they take, joined back in batch order (``mixed_splits``).
 
 State: per KDA layer a recurrent pool ``state.i [P, H, K, V]`` fp32 and a conv pool
 ``conv.i [P, W - 1, 3 H K]``; per MLA layer a paged latent cache ``latent.j``. Requests name
@@ -62,7 +65,7 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest, split_decode_rows
 from tokenspeed_jax.engine.model_runner import Buckets
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -263,8 +266,8 @@ class KimiRunner:
         self._compiled: dict[tuple, CompiledPlan] = {}
         self.compiled = False
         self.counters = dict.fromkeys(("inline_runs", "ordinary_runs", "decode_runs",
-                                       "eager_runs", "real_tokens", "padded_tokens",
-                                       "restores"), 0)
+                                       "eager_runs", "mixed_splits", "real_tokens",
+                                       "padded_tokens", "restores"), 0)
 
     # ----------------------------------------------------------------- pieces
 
@@ -524,10 +527,19 @@ class KimiRunner:
             raise ValueError("a step needs at least one request")
         if not self.compiled:
             raise RuntimeError("call compile_all() before step()")
-        route = self.route(batch.requests)
+        split = split_decode_rows(batch.requests) if self.buckets.decode_requests else None
+        if split is None:
+            return step_output([self._run(batch.requests)])
+        decode, rest, order = split
+        self.counters["mixed_splits"] += 1
+        return step_output([self._run(decode), self._run(rest)], order)
+
+    def _run(self, requests: Sequence[StepRequest]) -> np.ndarray:
+        """The packed sampled rows of ``requests`` on the route they take."""
+        route = self.route(requests)
         if route == "eager":
-            return self.run_eager(batch.requests, plan="ordinary")
-        return self.run_compiled(route, batch.requests)
+            return self._eager_rows(requests, "ordinary")
+        return self._compiled_rows(route, requests)
 
     def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
         """(tokens, requests): the bucket of the executable a compiled step on ``route`` runs."""
@@ -539,6 +551,9 @@ class KimiRunner:
 
     def run_compiled(self, route: str, requests: Sequence[StepRequest]) -> StepOutput:
         """A step on the compiled plan of ``route`` ("inline", "ordinary" or "decode")."""
+        return step_output([self._compiled_rows(route, requests)])
+
+    def _compiled_rows(self, route: str, requests: Sequence[StepRequest]) -> np.ndarray:
         total = sum(r.num_tokens for r in requests)
         tokens, rows = self.bucket(route, requests)
         inputs, attention, head = self.step_arrays(requests, tokens, rows)
@@ -551,12 +566,15 @@ class KimiRunner:
         self._adopt(out)
         sampled = self._compiled["head", tokens, rows].run({"hidden": out["hidden"]},
                                                            {"sample": head})
-        return step_output([self.resampler.finish([r for r in requests if r.sample], rows,
-                                                  sampled["sampled"], sampled["logits"])])
+        return self.resampler.finish([r for r in requests if r.sample], rows,
+                                     sampled["sampled"], sampled["logits"])
 
     def run_eager(self, requests: Sequence[StepRequest], *, plan: str = "ordinary") -> StepOutput:
         """A step op by op at its exact size (``plan``: "inline", "ordinary", "decode", or
         "reference" for the ordinary plan with the pure-JAX KDA reference)."""
+        return step_output([self._eager_rows(requests, plan)])
+
+    def _eager_rows(self, requests: Sequence[StepRequest], plan: str) -> np.ndarray:
         self.counters["eager_runs"] += 1
         total = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += total
@@ -571,9 +589,8 @@ class KimiRunner:
                     "sampling": jax.tree_util.tree_map(lambda a: a[:num_sampled],
                                                        head["sampling"])}
             sampled = run_eager(self.head_plan, {"hidden": out["hidden"]}, {"sample": rows})
-            return step_output([self.resampler.finish(
-                [r for r in requests if r.sample], num_sampled, sampled["sampled"],
-                sampled["logits"], eager=True)])
+            return self.resampler.finish([r for r in requests if r.sample], num_sampled,
+                                         sampled["sampled"], sampled["logits"], eager=True)
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
         """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""

@@ -8,7 +8,12 @@ Routes, chosen per step from static configuration and the step's sizes:
   step with more requests than the largest bucket is split into bucket-sized groups (counted).
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the
   Pallas op on a GPU), so its cost follows the live context, not ``max_model_len``.
-* **Prefill graph** (prefill and mixed steps): an *encoder* plan per token bucket: segments
+* **Mixed steps** (some requests decode, others prefill) run as two: the decode rows on the
+  decode graph and the rest on the prefill graph, the sampled rows joined back in batch order
+  (counted as ``mixed_splits``). On the prefill graph alone, every decode row would cost a
+  request slot, and a step with more of them than the largest request bucket one more encoder
+  run per bucketful.
+* **Prefill graph** (prefill steps): an *encoder* plan per token bucket: segments
   ``embed+qkv(0)``, ``out(i)+qkv(i+1)``, ``out(L-1)``, with an ``attention`` break per layer that
   writes the step's K/V into the paged cache, then lets every token attend to its request's keys
   0..its position through the request's page table (``paged_prefill_attention``: the Pallas
@@ -52,7 +57,7 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest, split_decode_rows
 from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -222,7 +227,7 @@ class ModelRunner:
         self.compiled = False
         self.counters = dict.fromkeys((
             "prefill_graph_runs", "decode_graph_runs", "eager_runs", "chunked_prefill_splits",
-            "request_splits", "decode_splits", "real_tokens", "padded_tokens"), 0)
+            "request_splits", "decode_splits", "mixed_splits", "real_tokens", "padded_tokens"), 0)
 
     # ----------------------------------------------------------------- stage functions
 
@@ -486,18 +491,23 @@ class ModelRunner:
         graphs = self.buckets.tokens or self.buckets.decode_requests
         if graphs and not self.compiled:
             raise RuntimeError("call compile_all() before step()")
-        results = []
-        if batch.is_decode and self.buckets.decode_requests:
+        split = split_decode_rows(batch.requests) if self.buckets.decode_requests else None
+        if split is None:
+            return step_output(self._run(batch.requests))
+        decode, rest, order = split
+        self.counters["mixed_splits"] += 1
+        return step_output(self._run(decode) + self._run(rest), order)
+
+    def _run(self, requests: list[StepRequest]) -> list[np.ndarray]:
+        """The packed sampled rows of ``requests`` on the route their shape takes."""
+        if StepBatch(requests).is_decode and self.buckets.decode_requests:
             largest = self.buckets.decode_requests[-1]
-            groups = [batch.requests[i:i + largest]
-                      for i in range(0, len(batch.requests), largest)]
+            groups = [requests[i:i + largest] for i in range(0, len(requests), largest)]
             self.counters["decode_splits"] += len(groups) - 1
-            results = [self._run_decode(group) for group in groups]
-        elif self.buckets.tokens:
-            results = self._run_prefill_graph(batch.requests)
-        else:
-            results = [self._run_eager(batch.requests)]
-        return step_output(results)
+            return [self._run_decode(group) for group in groups]
+        if self.buckets.tokens:
+            return self._run_prefill_graph(requests)
+        return [self._run_eager(requests)]
 
     def _run_prefill_graph(self, requests: list[StepRequest]) -> list[np.ndarray]:
         max_tokens = self.buckets.tokens[-1]

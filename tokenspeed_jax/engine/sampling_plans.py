@@ -91,11 +91,14 @@ def fetch_sampled(sampled: jax.Array, count: int) -> np.ndarray:
     return np.asarray(sampled)[:count]
 
 
-def step_output(results: list[np.ndarray]) -> StepOutput:
+def step_output(results: list[np.ndarray], order: np.ndarray | None = None) -> StepOutput:
     """Split the packed rows: token id, logprob bits, k top ids, k top log-prob bits. Results of
-    the in-step sampler (k = 0) are widened with zeros to join full-sampler results."""
+    the in-step sampler (k = 0) are widened with zeros to join full-sampler results; ``order``
+    picks and orders the joined rows (``batch.split_decode_rows``)."""
     width = max(r.shape[1] for r in results)
     joined = np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in results])
+    if order is not None:
+        joined = joined[order]
     k = (joined.shape[1] - 2) // 2
     return StepOutput(
         token_ids=joined[:, 0].copy(),

@@ -24,14 +24,17 @@ Two implementations of one function, chosen statically by a ``GroupedMatmulKerne
   ``[block_k, block_n]`` weight block, and stores only its own rows. A tile of group -1 (rows
   past the last group) runs no step and stores zeros; an unused tile stores nothing. Every row
   belongs to exactly one tile, so the output needs no initialisation.
-* ``grouped_matmul_reference``, ``lax.ragged_dot`` itself with the same precision rule (the
-  default: XLA on the GPU lowers it densely, every row times every group's weights).
+* ``grouped_matmul_reference``, ``lax.ragged_dot`` itself with the same precision rule (XLA on
+  the GPU lowers it densely, every row times every group's weights).
+
+``choose_grouped_kernel`` picks the Pallas kernel on GPUs and ``ragged_dot`` elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +50,8 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS_DTYPES,
     REFERENCE,
 )
+
+logger = logging.getLogger(__name__)
 
 TILE_FIELDS = 3  # group (-1: rows past the last group), first row, end row
 
@@ -83,6 +88,25 @@ class GroupedMatmulKernel:
 
 
 REFERENCE_GROUPED_MATMUL = GroupedMatmulKernel(REFERENCE)
+
+
+def choose_grouped_kernel(*, sizes: tuple[int, ...], dtype: jnp.dtype,
+                          platform: str | None = None) -> GroupedMatmulKernel:
+    """The grouped matmul for this platform (default: JAX's default backend): the Pallas kernel
+    on a GPU when the default blocks divide every contraction and output size in ``sizes`` and
+    the dtype is one it takes; ``ragged_dot`` otherwise, with the reason logged on a GPU (XLA
+    lowers it densely there: 37x slower at 2048 tokens of Kimi-Linear's experts,
+    docs/benchmarks.md)."""
+    if (platform or jax.default_backend()) != "gpu":
+        return REFERENCE_GROUPED_MATMUL
+    blocks = GroupedMatmulBlocks()
+    step = max(blocks.block_k, blocks.block_n)
+    if jnp.dtype(dtype).name not in PALLAS_DTYPES or any(size % step for size in sizes):
+        logger.warning("grouped matmuls use lax.ragged_dot: the Pallas kernel takes %s with sizes "
+                       "that are multiples of %d, not %s with %s", PALLAS_DTYPES, step,
+                       jnp.dtype(dtype).name, sizes)
+        return REFERENCE_GROUPED_MATMUL
+    return GroupedMatmulKernel(PALLAS, blocks)
 
 
 def _precision(dtype: jnp.dtype) -> lax.Precision:

@@ -12,9 +12,9 @@ Routing (``KimiMoE.route``), per token, in float32:
 
 Experts run as grouped matmuls (``expert_mlp``) over the token-expert assignments sorted by
 expert; shapes stay static. Shared experts run on every token and add. ``grouped_kernel`` picks
-the grouped matmul: ``lax.ragged_dot`` by default (XLA on the GPU lowers it densely, tokens x
-experts of work), or the Pallas kernel of ``kernels.grouped_matmul`` (tokens x top-k of work;
-not the default until it has been timed on a GPU: docs/benchmarks.md).
+the grouped matmul; by default ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel
+(tokens x top-k of work) on GPUs, ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it
+densely, tokens x experts of work).
 
 Expert parallelism (``mesh`` given, ``parallel`` splits ``w1``/``w3``/``w2`` over the experts):
 the router runs replicated, so every device picks the same experts; under ``jax.shard_map`` each
@@ -38,6 +38,7 @@ from tokenspeed_jax.kernels.grouped_matmul import (
     REFERENCE_GROUPED_MATMUL,
     GroupedMatmulKernel,
     apply_grouped_matmul,
+    choose_grouped_kernel,
 )
 from tokenspeed_jax.models.layers import linear, normal_param
 
@@ -91,7 +92,7 @@ class KimiMoE(nnx.Module):
         dtype: Any,
         param_dtype: Any,
         rngs: nnx.Rngs,
-        grouped_kernel: GroupedMatmulKernel = REFERENCE_GROUPED_MATMUL,
+        grouped_kernel: GroupedMatmulKernel | None = None,
     ) -> None:
         if num_experts % num_groups:
             raise ValueError(f"num_experts={num_experts} must be a multiple of "
@@ -115,7 +116,8 @@ class KimiMoE(nnx.Module):
         self.renormalize = renormalize
         self.scaling = scaling
         self.dtype = dtype
-        self.grouped_kernel = grouped_kernel
+        self.grouped_kernel = grouped_kernel or choose_grouped_kernel(
+            sizes=(hidden, intermediate), dtype=dtype)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (expert ids int32 [T, k], float32 weights [T, k])."""
