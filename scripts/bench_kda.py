@@ -9,9 +9,9 @@ a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm. Each
 Timings: prefill at T = 2048, 8192, 32768 (one sequence) and 16 x 1024 packed; decode at batch
 1, 64, 256. Our decode runs many steps inside one compiled program (as in the engine), so it pays
 no per-call dispatch; fla's numbers are `triton.testing.do_bench` medians of its Python call.
-Variants of our prefill (other ChunkConfig settings) are timed at T=8192, with the time of each
-stage alone (inputs to chunks, per-chunk kernel, state scan); 32 x 1024 packed beside T=32768
-shows what the serial state scan costs.
+Variants of our prefill (other ChunkConfig settings) are timed at T=8192 and T=32768 right after
+the default, and the time of each stage alone (inputs to chunks, per-chunk kernel, state scan)
+at T=8192; 32 x 1024 packed beside T=32768 shows what the serial state scan costs.
 Items run most important first; once --budget-s has passed, the rest are logged as skipped, so a
 run under a hard time limit still ends with its table. Every result is printed as a JSON line and
 appended to DIR/bench_kda.jsonl as it comes.
@@ -36,12 +36,12 @@ H, K, V = 32, 128, 128
 PREFILL_CASES = {"T=2048": [2048], "T=8192": [8192], "T=32768": [32768], "16x1024": [1024] * 16}
 SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parallel
 DECODE_BATCHES = (1, 64, 256)
-VARIANTS = {  # our prefill under other settings, timed at T=8192
-    "pallas-key_split128": kda.ChunkConfig(key_split=128),
-    "pallas-key_split64": kda.ChunkConfig(key_split=64),
+VARIANTS = {  # our prefill under other settings, timed at T=8192 and T=32768
+    "pallas-columns": kda.ChunkConfig(diagonal_form="columns"),
+    "pallas-key_split16": kda.ChunkConfig(key_split=16),
     "pallas-intra_warps4": kda.ChunkConfig(intra_num_warps=4),
-    "pallas-block_v64": kda.ChunkConfig(block_v=64),
 }
+VARIANT_CASES = ("T=8192", "T=32768")
 DECODE_VARIANTS = {"pallas-decode_block_v32": kda_decode.RecurrentConfig(block_v=32)}
 
 
@@ -304,14 +304,14 @@ def plan(with_fla: bool):
     so the fp32 checks come after the bf16 timings."""
     items = checks(["chunk"], [jnp.bfloat16])
     items += timings("pallas", prefill_ours, decode_ours, PREFILL_CASES, ())
+    for impl, config in VARIANTS.items():
+        items += timings(impl, functools.partial(prefill_ours, config=config), None,
+                         VARIANT_CASES, ())
     if with_fla:
         items += timings("fla", prefill_fla, decode_fla, PREFILL_CASES, DECODE_BATCHES)
     items += timings("pallas", prefill_ours, decode_ours, (), DECODE_BATCHES)
     items.append(({"bench": "stages", "case": "T=8192", "impl": "pallas"},
                   functools.partial(prefill_stages, PREFILL_CASES["T=8192"])))
-    for impl, config in VARIANTS.items():
-        items += timings(impl, functools.partial(prefill_ours, config=config), None,
-                         ("T=8192",), ())
     for impl, config in DECODE_VARIANTS.items():
         items += timings(impl, None, functools.partial(decode_ours, config=config), (), (64,))
     items += timings("pallas", prefill_ours, None, SCAN_CASE, ())

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_intra import intra_chunk_kernel
+from tokenspeed_jax.kernels.kda_intra import DIAGONAL_FORMS, intra_chunk_kernel
 from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
@@ -66,7 +66,8 @@ class ChunkConfig:
     """Tuning knobs of the chunked prefill kernels."""
 
     block_v: int = 32  # V columns of state per scan program
-    key_split: int = 32  # K channels per step of the per-chunk kernel's products
+    key_split: int = 8  # K channels per step of the per-chunk kernel's products
+    diagonal_form: str = "broadcast"  # in-sub-block products: one of kda_intra.DIAGONAL_FORMS
     intra_num_warps: int = 8
     scan_num_warps: int = 4
     num_stages: int = 3  # load pipeline depth with bf16 operands; fp32 ones get at most 2
@@ -149,7 +150,8 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, config:
     exact = (lax.Precision.HIGHEST if interpret or v_c.dtype == jnp.float32
              else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
     kernel = functools.partial(intra_chunk_kernel, scale=scale, key_split=key_split,
-                               precision=precision, exact=exact)
+                               diagonal_form=config.diagonal_form, precision=precision,
+                               exact=exact)
     gc = jnp.cumsum(g_c, axis=1)
     qg, w, kg, u, aqk = pl.pallas_call(
         kernel,
@@ -279,6 +281,9 @@ def chunk_kda_prefill(
     key_split = min(config.key_split, K)
     if V % block_v or K % key_split:
         raise ValueError(f"{V=} must be a multiple of {block_v=} and {K=} of {key_split=}")
+    if config.diagonal_form not in DIAGONAL_FORMS:
+        raise ValueError(f"diagonal_form must be one of {DIAGONAL_FORMS}, got "
+                         f"{config.diagonal_form!r}")
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
 
