@@ -191,8 +191,9 @@ def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[
         leaves = jax.tree_util.tree_leaves(meta)
 
         def run_plan(meta=meta, plan=plan):
-            out = plan.run(runner.kv_caches(), meta)
+            out = plan.run({**runner.kv_caches(), "board": runner.board}, meta)
             runner.store_kv_caches(out)
+            runner.board = out["board"]
             return out
 
         enqueue, wait = [], []

@@ -140,3 +140,34 @@ def test_bad_prompts_raise_clear_errors(tiny, prompt, message):
     llm, _ = tiny
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], GREEDY)
+
+
+def test_overlap_schedule_gives_the_outputs_of_the_synchronous_loop(smollm2, smollm2_golden):
+    """Running each decode step ahead (launched before the previous step's tokens reach the
+    host) changes nothing: stop tokens, stop strings, max_tokens and seeded sampling give the
+    same outputs as launching each step after the last one's tokens, and every page comes back."""
+    conversations = [p["messages"] for p in smollm2_golden["prompts"]]
+    chat = [SamplingParams(max_tokens=40, temperature=0.0),
+            SamplingParams(max_tokens=7, temperature=0.0),
+            SamplingParams(max_tokens=40, temperature=0.8, seed=5),
+            SamplingParams(max_tokens=40, temperature=0.0, stop=[" the"])]
+    engine = smollm2.engine
+
+    def run(overlap: bool) -> tuple[list, int]:
+        engine.overlap_schedule = overlap
+        before = engine.stats()["num_overlapped_steps"]
+        outs = [smollm2.chat(conversations, params) for params in chat]
+        assert engine.block_manager.num_used_pages == 0
+        return ([[(o.token_ids, o.text, o.finish_reason) for o in group] for group in outs],
+                engine.stats()["num_overlapped_steps"] - before)
+
+    try:
+        synchronous, none = run(False)
+        overlapped, overlapped_steps = run(True)
+    finally:
+        engine.overlap_schedule = True
+    assert none == 0 and overlapped_steps > 0
+    assert overlapped == synchronous
+    reasons = {reason for group in synchronous for _, _, reason in group}
+    assert reasons == {"stop", "length"}
+    assert smollm2.stats()["runtime_compiles"] == 0

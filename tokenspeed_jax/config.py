@@ -31,6 +31,9 @@ class EngineConfig:
     decode_graph_capture_batch_sizes: tuple[int, ...] | None = None
     # No compiled graphs at all: every step runs eagerly.
     enforce_eager: bool = False
+    # Launch each decode step only after the previous step's tokens reach the host (by default
+    # the next decode step is launched first, so host work overlaps the device's).
+    disable_overlap_schedule: bool = False
     # Prompts longer than the largest token bucket are split into chunks of at most this many
     # tokens; 0 = off (such prompts then run eagerly).
     chunked_prefill_size: int = 8192

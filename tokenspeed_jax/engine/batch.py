@@ -19,6 +19,10 @@ asked for one. Invariants:
   ``state_slot`` before the step (a prefix-cache hit that ends at ``start_pos``);
   ``checkpoint_slot >= 0`` asks it to store the state at the step's last ``prefix_granularity``
   boundary in that row. All three are -1 for models without recurrent state.
+* ``token_row >= 0`` (a decode step launched before the previous step's tokens reached the
+  host): the request's input token is the one the runner's previous decode step sampled in that
+  row, still on the device; ``token_ids`` and the last of ``output_token_ids`` then hold a
+  placeholder (such a request samples without penalties, so only the count matters).
 * A runner may run a *mixed* step (some requests decode, others prefill) as two, its decode rows
   on the decode graph and the rest on the prefill route (``split_decode_rows``), and joins the
   sampled rows back in the order of the batch, so the split never shows outside the runner.
@@ -27,6 +31,7 @@ asked for one. Invariants:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,6 +52,7 @@ class StepRequest:
     state_slot: int = -1
     restore_slot: int = -1
     checkpoint_slot: int = -1
+    token_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +76,19 @@ class StepBatch:
     @property
     def is_decode(self) -> bool:
         return all(r.num_tokens == 1 and r.sample for r in self.requests)
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step: ``result()`` waits for its sampled tokens. ``on_board``: they are also on
+    the device for the runner's next decode step to read (``StepRequest.token_row``)."""
+
+    result: Callable[[], StepOutput]
+    on_board: bool = False
+
+    @classmethod
+    def done(cls, output: StepOutput) -> PendingStep:
+        return cls(lambda: output)
 
 
 @dataclasses.dataclass

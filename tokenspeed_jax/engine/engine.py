@@ -3,7 +3,15 @@
 ``Engine`` is synchronous: ``add_request`` / ``abort`` / ``step``, and ``generate`` for offline
 use. One ``step`` schedules a batch, runs it, then turns each sampled token into a
 ``RequestOutput`` (stop tokens, max_tokens, the context length, stop strings across token
-boundaries through the incremental detokenizer). ``AsyncEngine`` runs that loop in one background
+boundaries through the incremental detokenizer).
+
+Overlap (``overlap_schedule``, on by default): when a step is a decode step the runner left
+running with its tokens on the device (``PendingStep.on_board``) and no request waits to be
+admitted, the engine launches the next decode step before it fetches this one's tokens, so the
+host's work for step N+1 (metadata, the executable launch) runs while the device computes step
+N. The next step holds every running request of this step that cannot finish by length at this
+step's token; a request that stops on a token or string meanwhile wastes its row in that step,
+whose token is dropped, and the step is the next ``step()``'s to finish. ``AsyncEngine`` runs that loop in one background
 thread and streams each request's outputs to an asyncio consumer; request-side host work (HTTP,
 tokenisation, JSON) runs on the event loop while the engine thread waits on the device.
 
@@ -36,7 +44,7 @@ from typing import Any, Protocol
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
-from tokenspeed_jax.engine.batch import StepBatch, StepOutput
+from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
 from tokenspeed_jax.engine.scheduler import ScheduledStep, Scheduler
@@ -50,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 class StepRunner(Protocol):
     def step(self, batch: StepBatch) -> StepOutput: ...
+
+    def launch(self, batch: StepBatch) -> PendingStep: ...
 
 
 @dataclasses.dataclass
@@ -77,8 +87,11 @@ class Engine:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         state_slots: StateSlots | None = None,
+        overlap_schedule: bool = True,
     ):
         self.runner = runner
+        self.overlap_schedule = overlap_schedule
+        self._ahead: tuple[ScheduledStep, PendingStep] | None = None
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.state_slots = state_slots
@@ -93,10 +106,11 @@ class Engine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_overlapped_steps = 0
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._ahead is not None
 
     @property
     def num_running(self) -> int:
@@ -145,18 +159,40 @@ class Engine:
         return self._output(tracked.request, [], "", None)
 
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        if step.is_empty:
-            if self.scheduler.has_work:
-                raise RuntimeError(
-                    f"scheduler stalled: {self.num_waiting} waiting, {self.num_running} running, "
-                    f"{self.block_manager.num_free_pages} free pages"
-                )
-            return []
-        result = self.runner.step(step.batch)
+        if self._ahead is not None:
+            step, pending = self._ahead
+            self._ahead = None
+        else:
+            step = self.scheduler.schedule()
+            if step.is_empty:
+                if self.scheduler.has_work:
+                    raise RuntimeError(
+                        f"scheduler stalled: {self.num_waiting} waiting, {self.num_running} "
+                        f"running, {self.block_manager.num_free_pages} free pages"
+                    )
+                return []
+            pending = self.runner.launch(step.batch)
         self.scheduler.after_step(step)
         self.num_steps += 1
-        return self._process(step, result)
+        if pending.on_board and self.overlap_schedule:
+            self._ahead = self._launch_ahead(step)
+        return self._process(step, pending.result())
+
+    def _launch_ahead(self, step: ScheduledStep) -> tuple[ScheduledStep, PendingStep] | None:
+        """Launch the decode step after ``step`` (module docstring); None when there is none."""
+        if self.scheduler.waiting:
+            return None  # admit new requests first: the next step is scheduled as usual
+        rows = [(row, request) for row, request in enumerate(step.requests)
+                if not request.finished
+                and request.num_output_tokens + 1 < request.params.max_tokens
+                and request.num_tokens + 1 < self.max_model_len]
+        if not rows:
+            return None
+        ahead = self.scheduler.schedule_ahead([r for _, r in rows], [row for row, _ in rows])
+        if ahead is None:
+            return None
+        self.num_overlapped_steps += 1
+        return ahead, self.runner.launch(ahead.batch)
 
     def generate(
         self, prompts: Sequence[tuple[Sequence[int], SamplingParams]]
@@ -200,6 +236,7 @@ class Engine:
             "prefix_query_tokens": scheduler.prefix_query_tokens,
             "prefix_hit_tokens": scheduler.prefix_hit_tokens,
             "num_steps": self.num_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
         }
 
     def _process(self, step: ScheduledStep, result: StepOutput) -> list[RequestOutput]:
@@ -214,6 +251,8 @@ class Engine:
                 continue
             index = sampled
             sampled += 1
+            if request.finished:
+                continue  # it ended while this step ran ahead of it: the token is dropped
             token = int(result.token_ids[index])
             request.token_ids.append(token)
             self.num_generation_tokens += 1
@@ -446,6 +485,7 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         max_model_len=min(config.max_model_len, loaded.config.max_position_embeddings),
         enable_prefix_caching=config.enable_prefix_caching,
         state_slots=state_slots,
+        overlap_schedule=not config.disable_overlap_schedule,
     )
     return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start,
                         loaded, config)

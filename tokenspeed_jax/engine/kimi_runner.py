@@ -65,7 +65,13 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest, split_decode_rows
+from tokenspeed_jax.engine.batch import (
+    PendingStep,
+    StepBatch,
+    StepOutput,
+    StepRequest,
+    split_decode_rows,
+)
 from tokenspeed_jax.engine.model_runner import Buckets
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -533,6 +539,10 @@ class KimiRunner:
         decode, rest, order = split
         self.counters["mixed_splits"] += 1
         return step_output([self._run(decode), self._run(rest)], order)
+
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Run one step to its end (this runner keeps no token board to run ahead on)."""
+        return PendingStep.done(self.step(batch))
 
     def _run(self, requests: Sequence[StepRequest]) -> np.ndarray:
         """The packed sampled rows of ``requests`` on the route they take."""

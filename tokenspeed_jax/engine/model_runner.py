@@ -6,6 +6,10 @@ Routes, chosen per step from static configuration and the step's sizes:
   bucket (embedding, all layers with paged attention inside, head and the in-step sampler); the
   executables have at least ``MIN_DECODE_ROWS`` rows, so bucket 1 runs on the bucket-2 one. A
   step with more requests than the largest bucket is split into bucket-sized groups (counted).
+  Each decode executable also writes its sampled token ids to the *token board* (one device
+  array, a row per sequence), and reads a row's input token from the previous
+  step's board when ``StepRequest.token_row`` asks: so ``launch`` can leave a decode step
+  running, and the engine can launch the next one before the tokens reach the host.
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the
   Pallas op on a GPU), so its cost follows the live context, not ``max_model_len``.
 * **Mixed steps** (some requests decode, others prefill) run as two: the decode rows on the
@@ -57,11 +61,19 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest, split_decode_rows
+from tokenspeed_jax.engine.batch import (
+    PendingStep,
+    StepBatch,
+    StepOutput,
+    StepRequest,
+    split_decode_rows,
+)
 from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
+    fetch_sampled,
+    needs_full_sampler,
     sampling_arrays,
     sampling_fields,
     step_output,
@@ -211,6 +223,11 @@ class ModelRunner:
         with startup():
             self.k_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
             self.v_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
+        # The last decode step's sampled token ids: a row per sequence the engine may hold (so
+        # the decode executables, and their cache entries, do not depend on the bucket list),
+        # and at least the largest decode executable's rows.
+        board_rows = max(config.max_num_seqs, *self.buckets.decode_executables, MIN_DECODE_ROWS)
+        self.board = jax.device_put(np.zeros(board_rows, np.int32))
         self.decode_kernel = choose_decode_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
             num_kv_heads=cfg.num_key_value_heads)
@@ -273,13 +290,19 @@ class ModelRunner:
         logits = self._outer(params).head(hidden).astype(jnp.float32)
         return fast_sample(sampling, logits), logits
 
-    def _decode_step(self, params: Any, packed: Packed, *caches: jax.Array) -> tuple:
-        """One decode step: the in-step sampler's rows, the logits (for ``resample``), caches."""
+    def _decode_step(self, params: Any, packed: Packed, *values: jax.Array) -> tuple:
+        """One decode step: the in-step sampler's rows, the logits (for ``resample``), the token
+        board, caches. A row with ``token_rows >= 0`` reads its input token from the board the
+        previous decode step wrote."""
         outer_state, layer_states = params
         meta = packed.unpack()
+        *caches, board = values
         k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
         positions, slots = meta["positions"], meta["slot_mapping"]
-        hidden = self._outer(outer_state).embed(meta["token_ids"])
+        token_rows = meta["token_rows"]
+        token_ids = jnp.where(token_rows >= 0, board[jnp.maximum(token_rows, 0)],
+                              meta["token_ids"])
+        hidden = self._outer(outer_state).embed(token_ids)
         for i, state in enumerate(layer_states):
             layer = self._layer(state)
             q, k, v = layer.attention_inputs(hidden, positions)
@@ -289,7 +312,9 @@ class ModelRunner:
                                           scale=self.scale, kernel=self.decode_kernel)
             hidden = layer.attention_outputs(hidden, attn)
         logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
-        return (fast_sample(unpack_sampling(meta), logits), logits, *k_all, *v_all)
+        sampled = fast_sample(unpack_sampling(meta), logits)
+        board = jnp.zeros_like(board).at[:sampled.shape[0]].set(sampled[:, 0])
+        return (sampled, logits, board, *k_all, *v_all)
 
     # ----------------------------------------------------------------- plans
 
@@ -320,10 +345,10 @@ class ModelRunner:
         head = Break("head", self._head, ("rows_hidden",), ("sampled", "logits"))
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
                                  ("sampled", "logits"))
-        decoded = ("sampled", "logits", *caches)
-        decode = Break("decode", self._decode_step, caches, decoded, donate=caches)
+        decoded = ("sampled", "logits", "board", *caches)
+        decode = Break("decode", self._decode_step, (*caches, "board"), decoded, donate=caches)
         self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
-                                caches, decoded)
+                                (*caches, "board"), decoded)
 
     # ----------------------------------------------------------------- start-up compile
 
@@ -411,12 +436,15 @@ class ModelRunner:
         for row, request in enumerate(requests):
             table = self._page_table(request)
             page_tables[row, :len(table)] = table
+        token_rows = np.full(rows, -1, np.int32)
         if count:
             token_ids[:count] = [r.token_ids[0] for r in requests]
+            token_rows[:count] = [r.token_row for r in requests]
             real = np.array([r.start_pos for r in requests], np.int32)
             positions[:count] = real
             slots[:count] = self._slots_of_rows(page_tables[:count], real)
-        return Packed.of({"token_ids": token_ids, "positions": positions, "slot_mapping": slots,
+        return Packed.of({"token_ids": token_ids, "token_rows": token_rows,
+                          "positions": positions, "slot_mapping": slots,
                           "page_tables": page_tables,
                           **sampling_fields(sampling_arrays(requests, rows))})
 
@@ -466,7 +494,8 @@ class ModelRunner:
                          abstract(self._head_meta([], rows)))
         for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
-            compiler.add(f"decode B={rows}", self.decode_plan, caches, meta, shardings)
+            compiler.add(f"decode B={rows}", self.decode_plan,
+                         {**caches, "board": abstract(self.board)}, meta, shardings)
         self.resampler.add(compiler, [*self.buckets.prefill_requests,
                                       *self.buckets.decode_executables])
         plans, summary = compiler.compile_all()
@@ -486,11 +515,31 @@ class ModelRunner:
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Run one engine step; one sampled token per request with ``sample`` set, in order."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Start one engine step. A decode step of one executable whose requests need only the
+        in-step sampler is left running: its tokens are fetched by ``result()``, and stay on the
+        token board for the next decode step (``StepRequest.token_row``). Any other step runs
+        to its end here."""
         if not batch.requests:
             raise ValueError("a step needs at least one request")
         graphs = self.buckets.tokens or self.buckets.decode_requests
         if graphs and not self.compiled:
             raise RuntimeError("call compile_all() before step()")
+        requests = batch.requests
+        if (self.buckets.decode_requests and batch.is_decode
+                and len(requests) <= self.buckets.decode_requests[-1]
+                and not any(needs_full_sampler(r.params) for r in requests)):
+            sampled = self._launch_decode(requests)
+            return PendingStep(lambda: step_output([fetch_sampled(sampled, len(requests))]),
+                               on_board=True)
+        if any(r.token_row >= 0 for r in requests):
+            raise ValueError("token_row needs a decode step of one executable whose requests "
+                             "need only the in-step sampler")
+        return PendingStep.done(self._run_to_end(batch))
+
+    def _run_to_end(self, batch: StepBatch) -> StepOutput:
         split = split_decode_rows(batch.requests) if self.buckets.decode_requests else None
         if split is None:
             return step_output(self._run(batch.requests))
@@ -551,14 +600,25 @@ class ModelRunner:
         return self._decode_steps[rows], {"decode": self._decode_meta(requests, rows)}
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
+        out = self._decode(requests)
+        rows = self.buckets.decode_rows(len(requests))
+        return self.resampler.finish(requests, rows, out["sampled"], out["logits"])
+
+    def _launch_decode(self, requests: list[StepRequest]) -> jax.Array:
+        """Enqueue a decode step; its in-step sampler's rows, on the device."""
+        return self._decode(requests)["sampled"]
+
+    def _decode(self, requests: list[StepRequest]) -> dict[str, jax.Array]:
+        """Enqueue one decode executable; keeps its caches and token board."""
         plan, meta = self.decode_inputs(requests)
         rows = self.buckets.decode_rows(len(requests))
         self.counters["decode_graph_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
-        out = plan.run(self.kv_caches(), meta)
+        out = plan.run({**self.kv_caches(), "board": self.board}, meta)
         self.store_kv_caches(out)
-        return self.resampler.finish(requests, rows, out["sampled"], out["logits"])
+        self.board = out["board"]
+        return out
 
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""

@@ -18,6 +18,12 @@ the hit pages go back); the request's first step copies that checkpoint into its
 prefill step that starts on a KDA chunk and crosses a checkpoint boundary stores the state there
 when a checkpoint row is free or evictable.
 
+Running ahead (``schedule_ahead``): the decode step after a decode step, built before that
+step's tokens reach the host. Each request gets a page for one more position, its input token
+comes from the previous step's output on the device (``StepRequest.token_row``), and it is built
+only when every row fits in the free pages (never preempts). A request that finishes meanwhile
+(a stop token, a stop string, an abort) keeps its row in the step, and ``after_step`` skips it.
+
 Invariants: no accepted request is ever dropped (preemption only delays it); at most
 ``max_num_seqs`` requests hold pages; a step never schedules more than the token budget; a
 request is in exactly one of ``waiting``, ``running`` or neither (finished).
@@ -111,9 +117,31 @@ class Scheduler:
             self._admit(scheduled, budget)
         return self._build(scheduled)
 
+    def schedule_ahead(self, requests: list[Request], token_rows: list[int]
+                       ) -> ScheduledStep | None:
+        """The decode step of ``requests`` right after the decode step whose rows ``token_rows``
+        sampled their next tokens; None when their new pages do not all fit (module docstring)."""
+        manager = self.block_manager
+        need = [manager.pages_for(r.num_computed_tokens + 1) - len(r.page_ids) for r in requests]
+        if sum(need) > manager.num_free_pages:
+            return None
+        step_requests = []
+        for request, pages, row in zip(requests, need, token_rows):
+            request.page_ids += manager.allocate(pages)
+            step_requests.append(StepRequest(
+                request_id=request.request_id, token_ids=np.zeros(1, np.int32),
+                start_pos=request.num_computed_tokens,
+                page_table=np.asarray(request.page_ids, dtype=np.int32), sample=True,
+                params=request.params, output_token_ids=[*request.output_token_ids, 0],
+                state_slot=request.state_slot, token_row=row))
+        return ScheduledStep(StepBatch(step_requests), list(requests))
+
     def after_step(self, step: ScheduledStep) -> None:
-        """Advance every scheduled request past the tokens the step wrote; cache full pages."""
+        """Advance every scheduled request past the tokens the step wrote; cache full pages.
+        Requests that finished while the step ran (it ran ahead of them) are skipped."""
         for request, step_request in zip(step.requests, step.batch.requests):
+            if request.status is not RequestStatus.RUNNING:
+                continue
             request.num_computed_tokens = step_request.end_pos
             self.block_manager.commit(
                 request.page_ids, request.token_ids, request.num_computed_tokens
