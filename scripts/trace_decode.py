@@ -5,9 +5,13 @@ thread of the trace (the Python thread, XLA's and PJRT's host threads, each GPU 
 per step and its largest events per step: on a GPU the kernels by name (e.g. a scatter fusion or
 ``paged_attention``), on the host the executable call and, with command buffers, their submission
 (``command_buffer::execute``) or re-recording (``command_buffer::update``). The raw trace
-(``perfetto_trace.json.gz``) is copied to --out for a closer look in Perfetto.
+(``perfetto_trace.json.gz``) is copied to --out for a closer look in Perfetto. With --run-ahead
+the steps run as the engine's overlap schedule runs them: each one is launched (``launch``, its
+input tokens read from the previous step's token board) before the previous step's tokens are
+fetched.
 
     python scripts/trace_decode.py --model llama8b-shape --decode-batches 1,32 --out traces/
+    python scripts/trace_decode.py --model smollm2 --decode-batches 1 --run-ahead --out traces/
     python scripts/trace_decode.py --model tiny --decode-batches 1 --dtype float32   # CPU check
 
 Event times overlap (a parent event contains its children), so the rows of one thread do not add
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import shutil
@@ -56,19 +61,36 @@ def summarise(trace_file: Path, steps: int, top: int) -> list[dict]:
     return rows
 
 
-def trace_steps(runner, batch: int, context: int, steps: int, out: Path | None) -> list[dict]:
-    step = StepBatch(bench_graph.decode_requests(batch, context))
-    for _ in range(5):
-        runner.step(step)
+def synchronous_steps(runner, requests: list, steps: int) -> None:
+    for _ in range(steps):
+        runner.step(StepBatch(requests))
+
+
+def run_ahead_steps(runner, requests: list, steps: int) -> None:
+    """``steps`` decode steps, each launched before the previous one's tokens are fetched."""
+    ahead = StepBatch([dataclasses.replace(r, token_row=row) for row, r in enumerate(requests)])
+    pending = runner.launch(StepBatch(requests))
+    for _ in range(steps - 1):
+        following = runner.launch(ahead)
+        pending.result()
+        pending = following
+    pending.result()
+
+
+def trace_steps(runner, batch: int, context: int, steps: int, out: Path | None,
+                run_ahead: bool) -> list[dict]:
+    requests = bench_graph.decode_requests(batch, context)
+    run = run_ahead_steps if run_ahead else synchronous_steps
+    run(runner, requests, 5)
     with tempfile.TemporaryDirectory(prefix="trace-") as directory:
         jax.profiler.start_trace(directory, create_perfetto_trace=True)
-        for _ in range(steps):
-            runner.step(step)
+        run(runner, requests, steps)
         jax.profiler.stop_trace()
         (trace_file,) = Path(directory).glob("**/perfetto_trace.json.gz")
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            shutil.copy(trace_file, out / f"decode_b{batch}.json.gz")
+            suffix = "_ahead" if run_ahead else ""
+            shutil.copy(trace_file, out / f"decode_b{batch}{suffix}.json.gz")
         return summarise(trace_file, steps, top=12)
 
 
@@ -80,15 +102,19 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5, help="traced steps per batch size")
     parser.add_argument("--out", type=Path, help="copy each raw trace and a summary JSON here")
+    parser.add_argument("--run-ahead", action="store_true",
+                        help="launch each step before fetching the previous one's tokens")
     args = parser.parse_args()
     batches = [int(b) for b in args.decode_batches.split(",")]
     model = bench_graph.load_model(args.model, args.dtype, random_weights=True)
     runner = bench_graph.decode_runner(model, batches, args.decode_context)
     report = {}
     for batch in batches:
-        rows = trace_steps(runner, batch, args.decode_context, args.steps, args.out)
+        rows = trace_steps(runner, batch, args.decode_context, args.steps, args.out,
+                           args.run_ahead)
         report[batch] = rows
-        print(f"\n{args.model} decode batch {batch}, context {args.decode_context} "
+        print(f"\n{args.model} decode batch {batch}, context {args.decode_context}"
+              f"{', run ahead' if args.run_ahead else ''} "
               f"({jax.devices()[0].device_kind}, jax {jax.__version__}): us per step")
         for row in sorted(rows, key=lambda r: -r["us_per_step"]):
             print(f"-- {row['thread']}: {row['us_per_step']:.0f} us, "

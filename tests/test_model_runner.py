@@ -293,6 +293,19 @@ def test_eager_route_matches_reference(model, eager_runner):
     assert eager_runner.stats()["runtime_compiles"] == 0
 
 
+def test_prefill_graph_off_prefills_eagerly_and_decodes_on_the_graph(model):
+    runner = ModelRunner(model, dataclasses.replace(ENGINE, disable_prefill_graph=True), 64, PAGE)
+    runner.compile_all()
+    try:
+        assert runner.buckets.tokens == () and runner.buckets.decode_requests
+        generate(model, runner, Pages(), prompts(43, 7, 12), steps=2)
+        stats = runner.stats()
+        assert stats["eager_runs"] == 1 and stats["decode_graph_runs"] == 2
+        assert stats["runtime_compiles"] == 0
+    finally:
+        runner.guard.disarm()
+
+
 def test_no_chunking_runs_long_prompts_eagerly(model):
     config = dataclasses.replace(ENGINE, chunked_prefill_size=0, decode_graph_max_bs=1,
                                  decode_graph_capture_batch_sizes=(1,),

@@ -488,8 +488,8 @@ class ModelRunner:
             hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
             compiler.add(f"narrow T={tokens}", self.narrow_plan, {"hidden": hidden},
                          {"narrow": {"rows": head["rows"]}})
-        narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)
         for rows in self.buckets.prefill_requests:
+            narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)
             compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": narrowed},
                          abstract(self._head_meta([], rows)))
         for rows in self.buckets.decode_executables:
