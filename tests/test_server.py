@@ -218,20 +218,23 @@ def test_32_concurrent_mixed_requests_match_llm_generate_under_preemption(server
 
 
 def test_disconnect_mid_stream_frees_pages(server):
+    """A client leaving mid-stream aborts its request while decode steps run ahead of it."""
     url, engine = server
-    body = {"model": MODEL_NAME, "prompt": list(range(3, 40)), "max_tokens": 50,
+    body = {"model": MODEL_NAME, "prompt": list(range(3, 40)), "max_tokens": 59,
             "ignore_eos": True, "stream": True}
+    overlapped_before = metric(url, "tokenspeed_engine_overlapped_steps")
     with httpx.Client(base_url=url, timeout=30) as http, \
             http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        next(events)  # the prompt's token
+        next(events)  # the first decode step's: the next step was launched before it came
         assert metric(url, "tokenspeed_kv_pages_used") > 0
     deadline = time.monotonic() + 20
     while metric(url, "tokenspeed_kv_pages_used") > 0 or engine.num_running:
         assert time.monotonic() < deadline, "aborted request kept its pages"
         time.sleep(0.05)
     assert 'finish_reason="abort"' in httpx.get(url + "/metrics").text
+    assert metric(url, "tokenspeed_engine_overlapped_steps") > overlapped_before
 
 
 @pytest.mark.parametrize(

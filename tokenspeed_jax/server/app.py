@@ -157,6 +157,9 @@ def _gauges(state: ServerState) -> dict[str, tuple[str, float]]:
         "tokenspeed_num_preemptions": ("Requests preempted by recompute.",
                                        stats["num_preemptions"]),
         "tokenspeed_engine_steps": ("Engine steps run.", stats["num_steps"]),
+        "tokenspeed_engine_overlapped_steps": (
+            "Decode steps launched before the previous step's tokens reached the host.",
+            stats["num_overlapped_steps"]),
     }
     if state.runner_stats is not None:
         for key, value in state.runner_stats().items():
