@@ -146,7 +146,8 @@ def test_overlap_schedule_gives_the_outputs_of_the_synchronous_loop(smollm2, smo
     """Running each decode step ahead (launched before the previous step's tokens reach the
     host) changes nothing: stop tokens, stop strings, max_tokens and seeded sampling give the
     same outputs as launching each step after the last one's tokens, and every page comes back."""
-    conversations = [p["messages"] for p in smollm2_golden["prompts"]]
+    # twice max_num_seqs conversations: steps also run ahead while requests wait for a slot
+    conversations = [p["messages"] for p in smollm2_golden["prompts"]] * 2
     chat = [SamplingParams(max_tokens=40, temperature=0.0),
             SamplingParams(max_tokens=7, temperature=0.0),
             SamplingParams(max_tokens=40, temperature=0.8, seed=5),

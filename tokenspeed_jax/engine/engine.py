@@ -6,8 +6,8 @@ use. One ``step`` schedules a batch, runs it, then turns each sampled token into
 boundaries through the incremental detokenizer).
 
 Overlap (``overlap_schedule``, on by default): when a step is a decode step the runner left
-running with its tokens on the device (``PendingStep.on_board``) and no request waits to be
-admitted, the engine launches the next decode step before it fetches this one's tokens, so the
+running with its tokens on the device (``PendingStep.on_board``) and no waiting request could
+be admitted now, the engine launches the next decode step before it fetches this one's tokens, so the
 host's work for step N+1 (metadata, the executable launch) runs while the device computes step
 N. The next step holds every running request of this step that cannot finish by length at this
 step's token; a request that stops on a token or string meanwhile wastes its row in that step,
@@ -180,8 +180,8 @@ class Engine:
 
     def _launch_ahead(self, step: ScheduledStep) -> tuple[ScheduledStep, PendingStep] | None:
         """Launch the decode step after ``step`` (module docstring); None when there is none."""
-        if self.scheduler.waiting:
-            return None  # admit new requests first: the next step is scheduled as usual
+        if self.scheduler.can_admit:
+            return None  # admit the waiting request first: the next step is scheduled as usual
         rows = [(row, request) for row, request in enumerate(step.requests)
                 if not request.finished
                 and request.num_output_tokens + 1 < request.params.max_tokens

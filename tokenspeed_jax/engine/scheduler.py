@@ -81,6 +81,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def can_admit(self) -> bool:
+        """Whether the next waiting request could start now: a sequence slot, a free page and,
+        for hybrid models, a free state row."""
+        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
+                and self.block_manager.num_free_pages > 0
+                and (self.state_slots is None or self.state_slots.num_free > 0))
+
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
