@@ -9,9 +9,11 @@ the tokenizer of ``tests/golden/tiny_llama``) is written once into a temporary d
 loaded by ``LLM`` with few buckets: the decode batches asked for, one prefill bucket. Then, per
 batch size, ``batch`` prompts of 32 random tokens generate greedily with ``ignore_eos`` through
 ``LLM.generate`` (the engine loop a server runs), alternating the engine's ``overlap_schedule``
-off and on, ``--repeats`` times each. A decode step's time is
+("off", "on", "auto"), ``--repeats`` times each. A decode step's time is
 (time for ``--tokens`` tokens - time for 1 token) / (``--tokens`` - 1): the prefill cancels
-out. The table gives the median per setting and their ratio, and how many steps ran ahead.
+out. The table gives the median per setting, off / on, and how many steps ran ahead; "auto"
+runs ahead only while its synchronous probe steps find the device busy after their launch
+(``engine.device_bound``, printed as measured at the end).
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def generate_seconds(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     return seconds
 
 
-def step_ms(llm: LLM, prompts: list[list[int]], tokens: int, overlap: bool) -> float:
+SETTINGS = ("off", "on", "auto")
+
+
+def step_ms(llm: LLM, prompts: list[list[int]], tokens: int, overlap: str) -> float:
     llm.engine.overlap_schedule = overlap
     whole = generate_seconds(llm, prompts, tokens)
     first = generate_seconds(llm, prompts, 1)
@@ -71,16 +76,19 @@ def bench_model(name: str, args: argparse.Namespace, work: Path) -> list[dict]:
     rows = []
     for batch in args.batches:
         prompts = rng.integers(3, 300, (batch, PROMPT_TOKENS)).tolist()
-        step_ms(llm, prompts, args.tokens, True)  # warm-up: both settings share the executables
-        times = {False: [], True: []}
-        ahead_before = llm.engine.stats()["num_overlapped_steps"]
+        step_ms(llm, prompts, args.tokens, "on")  # warm-up: the settings share executables
+        times = {setting: [] for setting in SETTINGS}
+        ahead = dict.fromkeys(SETTINGS, 0)
         for _ in range(args.repeats):
-            for overlap in (False, True):
-                times[overlap].append(step_ms(llm, prompts, args.tokens, overlap))
-        ahead = llm.engine.stats()["num_overlapped_steps"] - ahead_before
-        sync, overlapped = statistics.median(times[False]), statistics.median(times[True])
-        rows.append({"model": name, "batch": batch, "sync_ms": sync, "overlap_ms": overlapped,
-                     "speedup": sync / overlapped, "steps_ahead": ahead,
+            for setting in SETTINGS:
+                before = llm.engine.stats()["num_overlapped_steps"]
+                times[setting].append(step_ms(llm, prompts, args.tokens, setting))
+                ahead[setting] += llm.engine.stats()["num_overlapped_steps"] - before
+        median = {setting: statistics.median(times[setting]) for setting in SETTINGS}
+        rows.append({"model": name, "batch": batch, **{f"{s}_ms": median[s] for s in SETTINGS},
+                     "speedup": median["off"] / median["on"],
+                     **{f"{s}_steps_ahead": ahead[s] for s in SETTINGS},
+                     "auto_device_bound": llm.engine.device_bound,
                      "runtime_compiles": llm.stats()["runtime_compiles"]})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -101,11 +109,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as work:
         for name in (["tiny"] if args.tiny else args.models):
             rows += bench_model(name, args, Path(work))
-    print(f"\n{'model':<15} {'batch':>5} {'sync ms/step':>12} {'overlap ms/step':>15} "
-          f"{'speedup':>8} {'steps ahead':>11}")
+    print(f"\n{'model':<15} {'batch':>5} {'off ms':>8} {'on ms':>8} {'auto ms':>8} "
+          f"{'off / on':>8} {'ahead on/auto':>13} {'auto: device-bound':>18}")
     for row in rows:
-        print(f"{row['model']:<15} {row['batch']:>5} {row['sync_ms']:>12.3f} "
-              f"{row['overlap_ms']:>15.3f} {row['speedup']:>8.2f} {row['steps_ahead']:>11}")
+        print(f"{row['model']:<15} {row['batch']:>5} {row['off_ms']:>8.3f} {row['on_ms']:>8.3f} "
+              f"{row['auto_ms']:>8.3f} {row['speedup']:>8.2f} "
+              f"{row['on_steps_ahead']:>6}/{row['auto_steps_ahead']:<6} "
+              f"{row['auto_device_bound']!s:>18}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

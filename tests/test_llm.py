@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from tokenspeed_jax import LLM, SamplingParams
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.engine import PROBE_EVERY, Engine
 
 GOLDEN = Path(__file__).parent / "golden"
 TINY_FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_tied"]
@@ -154,7 +156,7 @@ def test_overlap_schedule_gives_the_outputs_of_the_synchronous_loop(smollm2, smo
             SamplingParams(max_tokens=40, temperature=0.0, stop=[" the"])]
     engine = smollm2.engine
 
-    def run(overlap: bool) -> tuple[list, int]:
+    def run(overlap: str) -> tuple[list, int]:
         engine.overlap_schedule = overlap
         before = engine.stats()["num_overlapped_steps"]
         outs = [smollm2.chat(conversations, params) for params in chat]
@@ -162,13 +164,30 @@ def test_overlap_schedule_gives_the_outputs_of_the_synchronous_loop(smollm2, smo
         return ([[(o.token_ids, o.text, o.finish_reason) for o in group] for group in outs],
                 engine.stats()["num_overlapped_steps"] - before)
 
+    default = engine.overlap_schedule
     try:
-        synchronous, none = run(False)
-        overlapped, overlapped_steps = run(True)
+        synchronous, none = run("off")
+        overlapped, overlapped_steps = run("on")
     finally:
-        engine.overlap_schedule = True
+        engine.overlap_schedule = default
     assert none == 0 and overlapped_steps > 0
     assert overlapped == synchronous
     reasons = {reason for group in synchronous for _, _, reason in group}
     assert reasons == {"stop", "length"}
     assert smollm2.stats()["runtime_compiles"] == 0
+
+
+def test_auto_overlap_runs_ahead_only_while_device_bound_and_probes_again():
+    engine = Engine(None, None, num_pages=4, page_size=16, max_num_seqs=1,
+                    max_num_batched_tokens=16, max_model_len=64, overlap_schedule="auto")
+    assert not engine.device_bound  # nothing measured yet: the first decode step is a probe
+    assert not any(engine._runs_ahead(launched_here=True) for _ in range(3 * PROBE_EVERY))
+    engine.device_bound = True
+    chain = [engine._runs_ahead(launched_here=False) for _ in range(PROBE_EVERY + 2)]
+    # PROBE_EVERY - 1 steps run ahead; then the chain breaks until a step launched by the
+    # engine itself (not ahead) can be the measured probe, after which it runs ahead again
+    assert chain == [True] * (PROBE_EVERY - 1) + [False] * 3
+    assert not engine._runs_ahead(launched_here=True)
+    assert engine._runs_ahead(launched_here=False)
+    with pytest.raises(ValueError, match="overlap_schedule"):
+        EngineConfig(overlap_schedule="sometimes")

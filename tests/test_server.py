@@ -42,6 +42,7 @@ CONFIG = EngineConfig(
     prefill_graph_capture_batch_sizes=(4,),
     decode_graph_capture_batch_sizes=(8,),
     compile_progress=False,
+    overlap_schedule="on",  # "auto" may or may not run ahead on a CPU; these tests need it to
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 8192  # "auto" when chunked prefill is off
+OVERLAP_SCHEDULES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,9 +32,10 @@ class EngineConfig:
     decode_graph_capture_batch_sizes: tuple[int, ...] | None = None
     # No compiled graphs at all: every step runs eagerly.
     enforce_eager: bool = False
-    # Launch each decode step only after the previous step's tokens reach the host (by default
-    # the next decode step is launched first, so host work overlaps the device's).
-    disable_overlap_schedule: bool = False
+    # Launch the next decode step before the previous step's tokens reach the host, so host work
+    # overlaps the device's: "on", "off", or "auto" (on while the device is the bottleneck: a
+    # step's kernels still run when its launch returns, measured every few dozen steps).
+    overlap_schedule: str = "auto"
     # Prompts longer than the largest token bucket are split into chunks of at most this many
     # tokens; 0 = off (such prompts then run eagerly).
     chunked_prefill_size: int = 8192
@@ -97,6 +99,8 @@ class EngineConfig:
             (self.chunked_prefill_size >= 0,
              f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}"),
             (self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+            (self.overlap_schedule in OVERLAP_SCHEDULES,
+             f"overlap_schedule must be one of {OVERLAP_SCHEDULES}, got {self.overlap_schedule!r}"),
             (self.prefix_granularity >= 64 and self.prefix_granularity % 64 == 0,
              f"prefix_granularity must be a multiple of 64, got {self.prefix_granularity}"),
             (self.tensor_parallel_size >= 1,

@@ -5,13 +5,18 @@ use. One ``step`` schedules a batch, runs it, then turns each sampled token into
 ``RequestOutput`` (stop tokens, max_tokens, the context length, stop strings across token
 boundaries through the incremental detokenizer).
 
-Overlap (``overlap_schedule``, on by default): when a step is a decode step the runner left
-running with its tokens on the device (``PendingStep.on_board``) and no waiting request could
-be admitted now, the engine launches the next decode step before it fetches this one's tokens, so the
-host's work for step N+1 (metadata, the executable launch) runs while the device computes step
-N. The next step holds every running request of this step that cannot finish by length at this
-step's token; a request that stops on a token or string meanwhile wastes its row in that step,
-whose token is dropped, and the step is the next ``step()``'s to finish. ``AsyncEngine`` runs that loop in one background
+Overlap (``overlap_schedule``): when a step is a decode step the runner left running with its
+tokens on the device (``PendingStep.on_board``) and no waiting request could be admitted now,
+the engine may launch the next decode step before it fetches this one's tokens, so the host's
+work for step N+1 (metadata, the executable launch) runs while the device computes step N. The
+next step holds every running request of this step that cannot finish by length at this step's
+token; a request that stops on a token or string meanwhile wastes its row in that step, whose
+token is dropped, and the step is the next ``step()``'s to finish. "on" always runs ahead,
+"off" never; "auto" runs ahead while the device is the bottleneck: a synchronous decode step
+(launched, then waited for, nothing ahead) whose wait for its tokens is at least
+``DEVICE_BOUND_WAIT`` of its launch's host time says the device is still busy after the launch,
+so running ahead can hide the launch. One decode step in ``PROBE_EVERY`` is synchronous, and
+measures again. The choice never changes a token (tested), only when steps are launched. ``AsyncEngine`` runs that loop in one background
 thread and streams each request's outputs to an asyncio consumer; request-side host work (HTTP,
 tokenisation, JSON) runs on the event loop while the engine thread waits on the device.
 
@@ -42,7 +47,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from tokenspeed_jax import parallel
-from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.config import OVERLAP_SCHEDULES, EngineConfig
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
@@ -54,6 +59,12 @@ from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+# "auto" overlap: the device is the bottleneck when a synchronous step waits for its tokens at
+# least this share of its launch's host time; one decode step in PROBE_EVERY measures again.
+DEVICE_BOUND_WAIT = 0.25
+PROBE_EVERY = 32
 
 
 class StepRunner(Protocol):
@@ -87,11 +98,16 @@ class Engine:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         state_slots: StateSlots | None = None,
-        overlap_schedule: bool = True,
+        overlap_schedule: str = "auto",
     ):
+        if overlap_schedule not in OVERLAP_SCHEDULES:
+            raise ValueError(f"overlap_schedule must be one of {OVERLAP_SCHEDULES}, got "
+                             f"{overlap_schedule!r}")
         self.runner = runner
         self.overlap_schedule = overlap_schedule
         self._ahead: tuple[ScheduledStep, PendingStep] | None = None
+        self.device_bound = False  # "auto": what the last synchronous decode step measured
+        self._steps_since_probe = 0
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.state_slots = state_slots
@@ -159,6 +175,7 @@ class Engine:
         return self._output(tracked.request, [], "", None)
 
     def step(self) -> list[RequestOutput]:
+        launch_seconds = None  # host time of this step's launch, when it was launched here
         if self._ahead is not None:
             step, pending = self._ahead
             self._ahead = None
@@ -171,12 +188,34 @@ class Engine:
                         f"running, {self.block_manager.num_free_pages} free pages"
                     )
                 return []
+            launched = time.perf_counter()
             pending = self.runner.launch(step.batch)
+            launch_seconds = time.perf_counter() - launched
         self.scheduler.after_step(step)
         self.num_steps += 1
-        if pending.on_board and self.overlap_schedule:
+        if pending.on_board and self._runs_ahead(launched_here=launch_seconds is not None):
             self._ahead = self._launch_ahead(step)
-        return self._process(step, pending.result())
+        measured = pending.on_board and self._ahead is None and launch_seconds is not None
+        waited = time.perf_counter()
+        result = pending.result()
+        if measured:  # a synchronous decode step: did the device outlast its launch?
+            wait_seconds = time.perf_counter() - waited
+            self.device_bound = wait_seconds >= DEVICE_BOUND_WAIT * launch_seconds
+        return self._process(step, result)
+
+    def _runs_ahead(self, *, launched_here: bool) -> bool:
+        """Whether to run ahead of this decode step (module docstring). In "auto", a step that
+        does not is measured when this call launched it; a due probe waits for such a step."""
+        if self.overlap_schedule != "auto":
+            return self.overlap_schedule == "on"
+        if not self.device_bound:
+            return False
+        self._steps_since_probe += 1
+        if self._steps_since_probe < PROBE_EVERY:
+            return True
+        if launched_here:
+            self._steps_since_probe = 0
+        return False
 
     def _launch_ahead(self, step: ScheduledStep) -> tuple[ScheduledStep, PendingStep] | None:
         """Launch the decode step after ``step`` (module docstring); None when there is none."""
@@ -485,7 +524,7 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         max_model_len=min(config.max_model_len, loaded.config.max_position_embeddings),
         enable_prefix_caching=config.enable_prefix_caching,
         state_slots=state_slots,
-        overlap_schedule=not config.disable_overlap_schedule,
+        overlap_schedule=config.overlap_schedule,
     )
     return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start,
                         loaded, config)
