@@ -236,6 +236,7 @@ def test_disconnect_mid_stream_frees_pages(server):
         time.sleep(0.05)
     assert 'finish_reason="abort"' in httpx.get(url + "/metrics").text
     assert metric(url, "tokenspeed_engine_overlapped_steps") > overlapped_before
+    assert metric(url, "tokenspeed_engine_decode_device_bound") in (0.0, 1.0)
 
 
 @pytest.mark.parametrize(

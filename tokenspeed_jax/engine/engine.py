@@ -200,7 +200,13 @@ class Engine:
         result = pending.result()
         if measured:  # a synchronous decode step: did the device outlast its launch?
             wait_seconds = time.perf_counter() - waited
-            self.device_bound = wait_seconds >= DEVICE_BOUND_WAIT * launch_seconds
+            device_bound = wait_seconds >= DEVICE_BOUND_WAIT * launch_seconds
+            if device_bound != self.device_bound and self.overlap_schedule == "auto":
+                logger.info("decode steps %s ahead: a synchronous step waited %.2f ms for its "
+                            "tokens after a %.2f ms launch",
+                            "run" if device_bound else "stop running", 1e3 * wait_seconds,
+                            1e3 * launch_seconds)
+            self.device_bound = device_bound
         return self._process(step, result)
 
     def _runs_ahead(self, *, launched_here: bool) -> bool:
@@ -276,6 +282,7 @@ class Engine:
             "prefix_hit_tokens": scheduler.prefix_hit_tokens,
             "num_steps": self.num_steps,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "decode_device_bound": float(self.device_bound),
         }
 
     def _process(self, step: ScheduledStep, result: StepOutput) -> list[RequestOutput]:

@@ -160,6 +160,9 @@ def _gauges(state: ServerState) -> dict[str, tuple[str, float]]:
         "tokenspeed_engine_overlapped_steps": (
             "Decode steps launched before the previous step's tokens reached the host.",
             stats["num_overlapped_steps"]),
+        "tokenspeed_engine_decode_device_bound": (
+            "1 while the last synchronous decode step found the device busy after its launch.",
+            stats["decode_device_bound"]),
     }
     if state.runner_stats is not None:
         for key, value in state.runner_stats().items():
