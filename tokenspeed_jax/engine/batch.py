@@ -112,17 +112,9 @@ def split_decode_rows(
     """A mixed step as (decode rows, the rest, order), each part in batch order; None unless the
     step has both. The batch's i-th sampled row is row ``order[i]`` of the decode rows' outputs
     followed by the rest's sampled outputs."""
-    decode = [is_decode_row(r) for r in requests]
-    if all(decode) or not any(decode):
+    decode = [r for r in requests if is_decode_row(r)]
+    if not decode or len(decode) == len(requests):
         return None
-    num_decode = sum(decode)
-    order, next_decode, next_rest = [], 0, num_decode
-    for request, is_decode in zip(requests, decode):
-        if is_decode:
-            order.append(next_decode)
-            next_decode += 1
-        elif request.sample:
-            order.append(next_rest)
-            next_rest += 1
-    return ([r for r, d in zip(requests, decode) if d],
-            [r for r, d in zip(requests, decode) if not d], np.asarray(order, np.int64))
+    rest = [r for r in requests if not is_decode_row(r)]
+    joined = {id(r): row for row, r in enumerate([*decode, *(r for r in rest if r.sample)])}
+    return decode, rest, np.asarray([joined[id(r)] for r in requests if r.sample], np.int64)

@@ -16,9 +16,11 @@ token is dropped, and the step is the next ``step()``'s to finish. "on" always r
 (launched, then waited for, nothing ahead) whose wait for its tokens is at least
 ``DEVICE_BOUND_WAIT`` of its launch's host time says the device is still busy after the launch,
 so running ahead can hide the launch. One decode step in ``PROBE_EVERY`` is synchronous, and
-measures again. The choice never changes a token (tested), only when steps are launched. ``AsyncEngine`` runs that loop in one background
-thread and streams each request's outputs to an asyncio consumer; request-side host work (HTTP,
-tokenisation, JSON) runs on the event loop while the engine thread waits on the device.
+measures again. The choice never changes a token (tested), only when steps are launched.
+
+``AsyncEngine`` runs that loop in one background thread and streams each request's outputs to
+an asyncio consumer; request-side host work (HTTP, tokenisation, JSON) runs on the event loop
+while the engine thread waits on the device.
 
 Invariants:
 
@@ -228,9 +230,7 @@ class Engine:
         if self.scheduler.can_admit:
             return None  # admit the waiting request first: the next step is scheduled as usual
         rows = [(row, request) for row, request in enumerate(step.requests)
-                if not request.finished
-                and request.num_output_tokens + 1 < request.params.max_tokens
-                and request.num_tokens + 1 < self.max_model_len]
+                if not request.finished and not self._ends_by_length(request, pending=1)]
         if not rows:
             return None
         ahead = self.scheduler.schedule_ahead([r for _, r in rows], [row for row, _ in rows])
@@ -326,8 +326,7 @@ class Engine:
             text = detokenizer.add(token)
             if detokenizer.stopped:
                 reason, stop_reason = "stop", detokenizer.stop_reason
-            elif (request.num_output_tokens >= params.max_tokens
-                  or request.num_tokens >= self.max_model_len):
+            elif self._ends_by_length(request):
                 reason = "length"
             if reason is not None:
                 text += detokenizer.finish()
@@ -336,6 +335,12 @@ class Engine:
             request.finish_time = time.monotonic()
             del self._tracked[request.request_id]
         return self._output(request, [token], text, logprobs)
+
+    def _ends_by_length(self, request: Request, pending: int = 0) -> bool:
+        """Whether ``request`` is done by max_tokens or the context length once ``pending``
+        more tokens (sampled, not yet on the host) are added."""
+        return (request.num_output_tokens + pending >= request.params.max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
 
     @staticmethod
     def _output(

@@ -65,17 +65,12 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import (
-    PendingStep,
-    StepBatch,
-    StepOutput,
-    StepRequest,
-    split_decode_rows,
-)
+from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.model_runner import Buckets
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
+    run_step,
     sampling_arrays,
     step_output,
 )
@@ -533,23 +528,19 @@ class KimiRunner:
             raise ValueError("a step needs at least one request")
         if not self.compiled:
             raise RuntimeError("call compile_all() before step()")
-        split = split_decode_rows(batch.requests) if self.buckets.decode_requests else None
-        if split is None:
-            return step_output([self._run(batch.requests)])
-        decode, rest, order = split
-        self.counters["mixed_splits"] += 1
-        return step_output([self._run(decode), self._run(rest)], order)
+        return run_step(batch.requests, self._run, counters=self.counters,
+                        split_mixed=bool(self.buckets.decode_requests))
 
     def launch(self, batch: StepBatch) -> PendingStep:
         """Run one step to its end (this runner keeps no token board to run ahead on)."""
         return PendingStep.done(self.step(batch))
 
-    def _run(self, requests: Sequence[StepRequest]) -> np.ndarray:
+    def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route they take."""
         route = self.route(requests)
         if route == "eager":
-            return self._eager_rows(requests, "ordinary")
-        return self._compiled_rows(route, requests)
+            return [self._eager_rows(requests, "ordinary")]
+        return [self._compiled_rows(route, requests)]
 
     def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
         """(tokens, requests): the bucket of the executable a compiled step on ``route`` runs."""

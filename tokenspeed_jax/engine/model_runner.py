@@ -61,19 +61,14 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.batch import (
-    PendingStep,
-    StepBatch,
-    StepOutput,
-    StepRequest,
-    split_decode_rows,
-)
+from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
     fetch_sampled,
     needs_full_sampler,
+    run_step,
     sampling_arrays,
     sampling_fields,
     step_output,
@@ -531,21 +526,14 @@ class ModelRunner:
         if (self.buckets.decode_requests and batch.is_decode
                 and len(requests) <= self.buckets.decode_requests[-1]
                 and not any(needs_full_sampler(r.params) for r in requests)):
-            sampled = self._launch_decode(requests)
+            sampled = self._decode(requests)[0]["sampled"]
             return PendingStep(lambda: step_output([fetch_sampled(sampled, len(requests))]),
                                on_board=True)
         if any(r.token_row >= 0 for r in requests):
             raise ValueError("token_row needs a decode step of one executable whose requests "
                              "need only the in-step sampler")
-        return PendingStep.done(self._run_to_end(batch))
-
-    def _run_to_end(self, batch: StepBatch) -> StepOutput:
-        split = split_decode_rows(batch.requests) if self.buckets.decode_requests else None
-        if split is None:
-            return step_output(self._run(batch.requests))
-        decode, rest, order = split
-        self.counters["mixed_splits"] += 1
-        return step_output(self._run(decode) + self._run(rest), order)
+        return PendingStep.done(run_step(requests, self._run, counters=self.counters,
+                                         split_mixed=bool(self.buckets.decode_requests)))
 
     def _run(self, requests: list[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route their shape takes."""
@@ -600,16 +588,12 @@ class ModelRunner:
         return self._decode_steps[rows], {"decode": self._decode_meta(requests, rows)}
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
-        out = self._decode(requests)
-        rows = self.buckets.decode_rows(len(requests))
+        out, rows = self._decode(requests)
         return self.resampler.finish(requests, rows, out["sampled"], out["logits"])
 
-    def _launch_decode(self, requests: list[StepRequest]) -> jax.Array:
-        """Enqueue a decode step; its in-step sampler's rows, on the device."""
-        return self._decode(requests)["sampled"]
-
-    def _decode(self, requests: list[StepRequest]) -> dict[str, jax.Array]:
-        """Enqueue one decode executable; keeps its caches and token board."""
+    def _decode(self, requests: list[StepRequest]) -> tuple[dict[str, jax.Array], int]:
+        """Enqueue one decode executable (keeping its caches and token board): its outputs, on
+        the device, and its rows."""
         plan, meta = self.decode_inputs(requests)
         rows = self.buckets.decode_rows(len(requests))
         self.counters["decode_graph_runs"] += 1
@@ -618,7 +602,7 @@ class ModelRunner:
         out = plan.run({**self.kv_caches(), "board": self.board}, meta)
         self.store_kv_caches(out)
         self.board = out["board"]
-        return out
+        return out, rows
 
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""

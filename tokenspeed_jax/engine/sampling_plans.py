@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokenspeed_jax.engine.batch import StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import StepOutput, StepRequest, split_decode_rows
 from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
 from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, PlanCompiler, abstract, run_eager
@@ -89,6 +89,19 @@ def full_sample(meta: Mapping[str, jax.Array], logits: jax.Array) -> jax.Array:
 def fetch_sampled(sampled: jax.Array, count: int) -> np.ndarray:
     """A sampler output -> numpy, in one copy: the first ``count`` rows (the rest are padding)."""
     return np.asarray(sampled)[:count]
+
+
+def run_step(requests: list[StepRequest], run: Callable[[list[StepRequest]], list[np.ndarray]],
+             *, split_mixed: bool, counters: dict[str, int]) -> StepOutput:
+    """A step's output from ``run`` (requests -> packed sampled rows). With ``split_mixed`` a
+    mixed step runs as its decode rows and the rest (``batch.split_decode_rows``), counted in
+    ``counters["mixed_splits"]``."""
+    split = split_decode_rows(requests) if split_mixed else None
+    if split is None:
+        return step_output(run(requests))
+    decode, rest, order = split
+    counters["mixed_splits"] += 1
+    return step_output(run(decode) + run(rest), order)
 
 
 def step_output(results: list[np.ndarray], order: np.ndarray | None = None) -> StepOutput:
