@@ -5,7 +5,9 @@ Measures, for one model, and prints one table (and writes it as JSON with --out)
 * prefill throughput (tokens/s) of one prompt at each --prefill-tokens size: the segmented
   encoder plan (``ModelRunner``'s compiled plan), the same plan as one ``jax.jit``, and eager;
 * decode step time (ms) at each --decode-batches size, a whole ``ModelRunner.step`` (host
-  metadata, the compiled step with attention and sampler inside, fetching the tokens);
+  metadata, the compiled step with attention and sampler inside, fetching the tokens), and
+  the mean step of steps run ahead as the engine's overlap schedule runs them (each launched
+  before the previous step's tokens are fetched);
 * host time per segment dispatch (us): the enqueue time of the prefill plan over its calls,
   and a tiny executable called through ``Compiled.__call__`` and through the raw executable;
 * with --host-breakdown, only the parts of one decode step's host time (us) at each batch:
@@ -21,6 +23,7 @@ shape with --random-weights), ``llama8b-shape`` (random weights, Llama-3-8B shap
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -170,13 +173,32 @@ def decode_requests(batch: int, context: int) -> list[StepRequest]:
             for i in range(batch)]
 
 
+def run_ahead_steps(runner: ModelRunner, requests: list[StepRequest], steps: int) -> None:
+    """``steps`` decode steps as the engine's overlap schedule runs them: each is launched (its
+    input tokens read from the previous step's token board) before the previous step's tokens
+    are fetched."""
+    ahead = StepBatch([dataclasses.replace(r, token_row=row) for row, r in enumerate(requests)])
+    pending = runner.launch(StepBatch(requests))
+    for _ in range(steps - 1):
+        following = runner.launch(ahead)
+        pending.result()
+        pending = following
+    pending.result()
+
+
 def bench_decode(model, batches: list[int], context: int, iters: int) -> list[dict]:
+    """Per batch: a whole ``ModelRunner.step`` (median), and the mean step of a run of steps
+    that each launch before the previous one's tokens are fetched (``run_ahead_steps``)."""
     runner = decode_runner(model, batches, context)
     rows = []
+    ahead_steps = 5 * iters
     for batch in batches:
-        step = StepBatch(decode_requests(batch, context))
+        requests = decode_requests(batch, context)
+        step = StepBatch(requests)
         seconds = timed(lambda step=step: runner.step(step), iters, warmup=2)
-        rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3})
+        ahead = timed(lambda r=requests: run_ahead_steps(runner, r, ahead_steps), 1)
+        rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3,
+                     "run_ahead_step_ms": ahead / ahead_steps * 1e3})
     assert runner.stats()["runtime_compiles"] == 0
     return rows
 
@@ -295,9 +317,10 @@ def main() -> None:
         print(f"{r['tokens']:>14} {r['segmented_tok_s']:>16.0f} {r['whole_jit_tok_s']:>16.0f} "
               f"{r['eager_tok_s']:>12.0f} {r['segmented_vs_jit']:>12.3f} "
               f"{r['full_step_ms']:>12.2f}")
-    print(f"{'decode batch':>14} {'step ms':>16}   (context {args.decode_context})")
+    print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16}   "
+          f"(context {args.decode_context})")
     for r in decode:
-        print(f"{r['batch']:>14} {r['step_ms']:>16.3f}")
+        print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}")
     print(f"{'plan tokens':>14} {'calls':>16} {'host us / call':>16}")
     for r in dispatch:
         print(f"{r['tokens']:>14} {r['calls']:>16} {r['host_us_per_call']:>16.1f}")

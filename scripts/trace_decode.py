@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import gzip
 import json
 import shutil
@@ -66,21 +65,10 @@ def synchronous_steps(runner, requests: list, steps: int) -> None:
         runner.step(StepBatch(requests))
 
 
-def run_ahead_steps(runner, requests: list, steps: int) -> None:
-    """``steps`` decode steps, each launched before the previous one's tokens are fetched."""
-    ahead = StepBatch([dataclasses.replace(r, token_row=row) for row, r in enumerate(requests)])
-    pending = runner.launch(StepBatch(requests))
-    for _ in range(steps - 1):
-        following = runner.launch(ahead)
-        pending.result()
-        pending = following
-    pending.result()
-
-
 def trace_steps(runner, batch: int, context: int, steps: int, out: Path | None,
                 run_ahead: bool) -> list[dict]:
     requests = bench_graph.decode_requests(batch, context)
-    run = run_ahead_steps if run_ahead else synchronous_steps
+    run = bench_graph.run_ahead_steps if run_ahead else synchronous_steps
     run(runner, requests, 5)
     with tempfile.TemporaryDirectory(prefix="trace-") as directory:
         jax.profiler.start_trace(directory, create_perfetto_trace=True)

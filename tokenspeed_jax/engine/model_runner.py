@@ -527,6 +527,7 @@ class ModelRunner:
                 and len(requests) <= self.buckets.decode_requests[-1]
                 and not any(needs_full_sampler(r.params) for r in requests)):
             sampled = self._decode(requests)[0]["sampled"]
+            sampled.copy_to_host_async()  # queued now, the copy waits for this step only
             return PendingStep(lambda: step_output([fetch_sampled(sampled, len(requests))]),
                                on_board=True)
         if any(r.token_row >= 0 for r in requests):
