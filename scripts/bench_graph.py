@@ -173,10 +173,10 @@ def decode_requests(batch: int, context: int) -> list[StepRequest]:
             for i in range(batch)]
 
 
-def run_ahead_steps(runner: ModelRunner, requests: list[StepRequest], steps: int) -> None:
-    """``steps`` decode steps as the engine's overlap schedule runs them: each is launched (its
-    input tokens read from the previous step's token board) before the previous step's tokens
-    are fetched."""
+def run_ahead_steps(runner, requests: list[StepRequest], steps: int) -> None:
+    """``steps`` decode steps as the engine's overlap schedule runs them on ``runner`` (either
+    runner): each is launched (its input tokens read from the previous step's token board)
+    before the previous step's tokens are fetched."""
     ahead = StepBatch([dataclasses.replace(r, token_row=row) for row, r in enumerate(requests)])
     pending = runner.launch(StepBatch(requests))
     for _ in range(steps - 1):

@@ -1,8 +1,9 @@
 """Benchmark a random-weight Kimi-Linear-48B-A3B-shaped model on the KimiRunner routes.
 
 Measures prefill throughput of the inline-KDA segmented route, the ordinary route (KDA at a
-break) and eager execution, and the decode step time per batch size; prints a markdown table for
-docs/benchmarks.md. The shape is Kimi-Linear-48B-A3B's (hidden 2304, 32 KDA heads of 128, MLA with
+break) and eager execution, and the decode step time per batch size, one step at a time and run
+ahead as the engine's overlap schedule runs them (``bench_graph.run_ahead_steps``); prints a
+markdown table for docs/benchmarks.md. The shape is Kimi-Linear-48B-A3B's (hidden 2304, 32 KDA heads of 128, MLA with
 kv_lora_rank 512, 256 experts of 1024, 8 per token, 1 shared) with ``--layers`` layers in its
 3 KDA : 1 MLA pattern (the full 27 layers need about 100 GB of bf16 weights).
 
@@ -18,6 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_graph import run_ahead_steps
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
@@ -105,11 +107,14 @@ def main() -> None:
             seconds = timed(fn, args.repeats if name != "eager" else 1)
             rows.append(f"| prefill {name} | {count} | {args.prefill_tokens} | "
                         f"{seconds * 1e3:.2f} | {args.prefill_tokens / seconds:,.0f} |")
+    ahead_steps = 5 * args.repeats
     for batch_size in args.decode_batches:
         batch = requests(batch_size, 1, args.context, pages_each)
         seconds = timed(lambda b=batch: runner.run_compiled("decode", b), args.repeats)
-        rows.append(f"| decode step | {batch_size} | {batch_size} | {seconds * 1e3:.2f} | "
-                    f"{batch_size / seconds:,.0f} |")
+        ahead = timed(lambda b=batch: run_ahead_steps(runner, b, ahead_steps), 1) / ahead_steps
+        for name, step in (("decode step", seconds), ("decode step, run ahead", ahead)):
+            rows.append(f"| {name} | {batch_size} | {batch_size} | {step * 1e3:.2f} | "
+                        f"{batch_size / step:,.0f} |")
     print(f"\nKimi-Linear-48B-A3B shape, {args.layers} layers "
           f"({config.layer_types.count(KDA)} KDA, {config.layer_types.count(MLA)} MLA), bf16, "
           f"random weights; decode context {args.context}")

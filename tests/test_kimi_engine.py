@@ -183,6 +183,41 @@ def test_penalties_truncation_and_top_logprobs_match_reference(llm):
         np.testing.assert_allclose([lp for _, lp in step.top], row[best], atol=2e-4)
 
 
+def test_decode_steps_run_ahead_with_the_outputs_of_the_reference(llm):
+    """With the overlap schedule on, each decode step is launched before the previous step's
+    tokens reach the host (its tokens read from the token board): greedy tokens and log-probs
+    equal the reference generator's, with a stop token ending one request early; seeded sampling
+    equals the synchronous loop; every page and state row comes back."""
+    engine = llm.engine
+    prompts = random_prompts(11, 5, 37, 70)
+    (first, *_) = reference_tokens(llm, prompts[:1], 12)
+    params = [greedy(16, logprobs=0, stop_token_ids=[first[6]]),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=4)]
+
+    def run(overlap: str) -> tuple[list, int]:
+        engine.overlap_schedule = overlap
+        before = engine.stats()["num_overlapped_steps"]
+        outs = [llm.generate(prompts, p) for p in params]
+        assert engine.block_manager.num_used_pages == 0
+        assert llm.stats()["state_slots_used"] == 0
+        return outs, engine.stats()["num_overlapped_steps"] - before
+
+    default = engine.overlap_schedule
+    try:
+        synchronous, none = run("off")
+        overlapped, ahead = run("on")
+    finally:
+        engine.overlap_schedule = default
+    assert none == 0 and ahead > 0
+    expected = llm.reference.generate(prompts, [params[0]] * len(prompts))
+    assert [o.token_ids for o in overlapped[0]] == [e.token_ids for e in expected]
+    assert overlapped[0][0].finish_reason == "stop" and len(overlapped[0][0].token_ids) <= 7
+    for out, want in zip(overlapped[0], expected):
+        np.testing.assert_allclose(logprobs(out), logprobs(want), atol=ATOL)
+    assert ([o.token_ids for o in overlapped[1]] == [o.token_ids for o in synchronous[1]])
+    assert llm.stats()["runtime_compiles"] == 0
+
+
 def test_server_answers_a_chat_request(llm):
     """Last in the module: the server's engine thread takes over ``llm.engine``."""
     messages = [{"role": "user", "content": "w10 w11 w12 w13"}]

@@ -176,6 +176,38 @@ def test_a_mixed_step_runs_its_decode_rows_on_the_decode_route(runner):
     assert_same(stepped, run(runner, pools, "eager", mixed))
 
 
+def test_decode_steps_run_ahead_on_the_token_board(runner):
+    """A decode step launched before the previous one's tokens are fetched, its input tokens
+    read from the token board, gives the tokens and the whole pool of two eager reference steps
+    fed with the host's tokens."""
+    long, short = prompts(4)
+    first, after_prefill = run(runner, noisy_pools(runner, 7), "inline",
+                               [request("a", long, 0, 0, slot=1),
+                                request("b", short, 0, 8, slot=3)])
+
+    def decode(tokens, offset: int, **extra) -> list[StepRequest]:
+        return [dataclasses.replace(request(rid, np.array([t]), n + offset, page, slot), **extra)
+                for rid, t, n, page, slot in zip("ab", tokens, (70, 40), (0, 8), (1, 3))]
+
+    reference = [run(runner, after_prefill, "eager", decode(first.token_ids, 0))]
+    reference.append(run(runner, reference[0][1], "eager",
+                         decode(reference[0][0].token_ids, 1)))
+    with runner.guard.allowed("test pools"):
+        runner.pools = {n: jnp.asarray(p) for n, p in after_prefill.items()}
+    pending = runner.launch(StepBatch(decode(first.token_ids, 0)))
+    ahead = runner.launch(StepBatch([dataclasses.replace(r, token_row=row) for row, r in
+                                     enumerate(decode([0, 0], 1))]))
+    assert pending.on_board and ahead.on_board
+    outputs = [pending.result(), ahead.result()]
+    pools = {n: np.asarray(p) for n, p in runner.pools.items()}
+    assert_same((outputs[0], reference[1][1]), (reference[0][0], reference[1][1]))
+    assert_same((outputs[1], pools), reference[1])
+    with pytest.raises(ValueError, match="token_row"):
+        runner.launch(StepBatch(decode([0, 0], 2, token_row=0,
+                                       params=SamplingParams(repetition_penalty=1.2))))
+    assert runner.stats()["runtime_compiles"] == 0
+
+
 def test_routes_and_fallbacks(runner):
     long, short = prompts()
     prefill = [request("a", long, 0, 0, slot=1), request("b", short, 0, 8, slot=3)]

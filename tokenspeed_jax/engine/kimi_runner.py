@@ -12,7 +12,10 @@ segments with the same pieces and wiring are one executable. Routes per step:
   with a one-token continuation chunk and when ``disable_kda_prefill_graph`` is set; a step with
   more requests or tokens than the largest bucket runs this route eagerly at its exact size.
 * **decode**: one token per request, the recurrent KDA kernel inline, MLA decode at the breaks;
-  one plan per decode batch bucket.
+  one plan per decode batch bucket, then a head that also writes the sampled ids to the token
+  board (``token_board``): a row whose ``StepRequest.token_row`` is set takes its input token
+  from the previous decode step's board, so ``launch`` can leave a decode step running and the
+  engine can launch the next one before the tokens reach the host.
 * **eager**: any plan op by op (``run_eager``), the reference the compiled routes match.
 
 A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
@@ -74,6 +77,16 @@ from tokenspeed_jax.engine.sampling_plans import (
     sampling_arrays,
     step_output,
 )
+from tokenspeed_jax.engine.token_board import (
+    board_rows,
+    can_stay_on_board,
+    check_no_token_rows,
+    new_board,
+    pending_decode,
+    read_tokens,
+    token_rows,
+    write_board,
+)
 from tokenspeed_jax.graph import (
     Break,
     Call,
@@ -97,6 +110,7 @@ from tokenspeed_jax.models.mla import paged_latent_decode, paged_latent_prefill,
 KDA_META = ("cu_seqlens", "kda_slots", "checkpoint_offsets", "checkpoint_slots")
 FRESH = "fresh_slots"  # [N]: the state slot of each request starting at position 0, else -1
 HEAD_OUTPUTS = ("sampled", "logits")
+BOARD_INPUTS = ("token_rows", "board")  # the decode route's extra inputs (``token_board``)
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +277,11 @@ class KimiRunner:
         self.restore_rows = self.buckets.prefill_requests[-1]
         head = Break("sample", self._head, ("hidden",), HEAD_OUTPUTS)
         self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), HEAD_OUTPUTS)
+        board_head = Break("sample", self._board_head, ("hidden", "board"),
+                           (*HEAD_OUTPUTS, "board"))
+        self.board_head_plan = Plan([Call(board_head, self.outer_state)], ("hidden", "board"),
+                                    (*HEAD_OUTPUTS, "board"))
+        self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         self.resampler = Resampler(self.model_config.vocab_size)
         self._compiled: dict[tuple, CompiledPlan] = {}
         self.compiled = False
@@ -286,10 +305,13 @@ class KimiRunner:
         outer = self.model_def
         placeholder = self._layers_placeholder
 
-        def embed(params, token_ids):
+        def embed(params, token_ids, *board):
+            if board:  # the decode route: (token_rows, board)
+                token_ids = read_tokens(token_ids, *board)
             return (nnx.merge(outer, placeholder, params).embed(token_ids),)
 
-        pieces = [Piece(("embed",), embed, ("token_ids",), ("hidden",), self.outer_state)]
+        embed_inputs = ("token_ids", *BOARD_INPUTS) if decode else ("token_ids",)
+        pieces = [Piece(("embed", decode), embed, embed_inputs, ("hidden",), self.outer_state)]
         for i, kind in enumerate(self.kinds):
             graph = self._layer_defs[i]
             state = self.layer_states[i]
@@ -366,9 +388,15 @@ class KimiRunner:
         logits = logits.astype(jnp.float32)
         return fast_sample(meta["sampling"], logits), logits
 
+    def _board_head(self, params, meta, hidden, board) -> tuple:
+        """The decode route's head: also the board of its sampled ids."""
+        sampled, logits = self._head(params, meta, hidden)
+        return sampled, logits, write_board(board, sampled)
+
     def _forward_plan(self, route: str, impl: KdaImpl = "pallas") -> Plan:
         pools = tuple(self.pools)
-        inputs = ("token_ids", "positions", FRESH, *KDA_META, *pools)
+        board = BOARD_INPUTS if route == "decode" else ()
+        inputs = ("token_ids", *board, "positions", FRESH, *KDA_META, *pools)
         return self._builder.plan(self._pieces(route, impl), inputs, ("hidden", *pools))
 
     # ----------------------------------------------------------------- host arrays
@@ -426,6 +454,12 @@ class KimiRunner:
         return inputs, attention, {"rows": rows_arr,
                                    "sampling": sampling_arrays(sampled, num_requests)}
 
+    def _decode_arrays(self, requests: Sequence[StepRequest], rows: int) -> tuple[dict, dict, dict]:
+        """``step_arrays`` of a decode group of ``rows`` rows, with its token rows (the board is
+        the runner's)."""
+        inputs, attention, head = self.step_arrays(requests, rows, rows)
+        return {**inputs, "token_rows": token_rows(requests, rows)}, attention, head
+
     def _check_slots(self, request: StepRequest) -> None:
         slot, checkpoint = request.state_slot, request.checkpoint_slot
         if not 0 <= slot < self.num_state_slots:
@@ -479,12 +513,16 @@ class KimiRunner:
                 compiler.add(f"{route} T={tokens} N={requests}", self.plans[route],
                              {**inputs, **pools}, {"attention": attention, "kda": {}},
                              shardings=shardings)
-        decode_shapes = [(n, n) for n in self.buckets.decode_executables]
+        board = abstract(self.board)
         for rows in self.buckets.decode_executables:
-            inputs, attention, _ = (abstract(m) for m in self.step_arrays([], rows, rows))
-            compiler.add(f"decode T={rows} N={rows}", self.plans["decode"], {**inputs, **pools},
-                         {"attention": attention}, shardings=shardings)
-        for tokens, requests in dict.fromkeys(shapes + decode_shapes):
+            inputs, attention, head = (abstract(m) for m in self._decode_arrays([], rows))
+            compiler.add(f"decode T={rows} N={rows}", self.plans["decode"],
+                         {**inputs, "board": board, **pools}, {"attention": attention},
+                         shardings=shardings)
+            hidden = jax.ShapeDtypeStruct((rows, hidden_size), self.dtype)
+            compiler.add(f"board-head T={rows} N={rows}", self.board_head_plan,
+                         {"hidden": hidden, "board": board}, {"sample": head})
+        for tokens, requests in shapes:
             hidden = jax.ShapeDtypeStruct((tokens, hidden_size), self.dtype)
             head = abstract(self.step_arrays([], tokens, requests)[2])
             compiler.add(f"head T={tokens} N={requests}", self.head_plan, {"hidden": hidden},
@@ -495,7 +533,8 @@ class KimiRunner:
             compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}",
                          self.restore_plan, {**rows, **{n: pools[n] for n in self.state_pools}},
                          shardings=shardings)
-        self.resampler.add(compiler, [n for _, n in dict.fromkeys(shapes + decode_shapes)])
+        self.resampler.add(compiler, [n for _, n in dict.fromkeys(
+            shapes + [(n, n) for n in self.buckets.decode_executables])])
         plans, summary = compiler.compile_all()
         for label, plan in self.resampler.adopt(plans).items():
             route, tokens, requests = label.split()
@@ -532,7 +571,15 @@ class KimiRunner:
                         split_mixed=bool(self.buckets.decode_requests))
 
     def launch(self, batch: StepBatch) -> PendingStep:
-        """Run one step to its end (this runner keeps no token board to run ahead on)."""
+        """Start one engine step. A step on the decode route whose requests need only the
+        in-step sampler is left running: its tokens are fetched by ``result()``, and stay on the
+        token board for the next decode step (``StepRequest.token_row``). Any other step runs
+        to its end here."""
+        requests = batch.requests
+        if (requests and self.compiled and self.route(requests) == "decode"
+                and can_stay_on_board(requests)):
+            return pending_decode(self._enqueue("decode", requests)["sampled"], len(requests))
+        check_no_token_rows(requests)
         return PendingStep.done(self.step(batch))
 
     def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]:
@@ -555,20 +602,32 @@ class KimiRunner:
         return step_output([self._compiled_rows(route, requests)])
 
     def _compiled_rows(self, route: str, requests: Sequence[StepRequest]) -> np.ndarray:
+        sampled = self._enqueue(route, requests)
+        return self.resampler.finish([r for r in requests if r.sample],
+                                     self.bucket(route, requests)[1], sampled["sampled"],
+                                     sampled["logits"])
+
+    def _enqueue(self, route: str, requests: Sequence[StepRequest]) -> dict[str, jax.Array]:
+        """Enqueue a step on the compiled plan of ``route`` and its head (keeping the pools and,
+        on the decode route, the token board): the head's outputs, on the device."""
         total = sum(r.num_tokens for r in requests)
         tokens, rows = self.bucket(route, requests)
-        inputs, attention, head = self.step_arrays(requests, tokens, rows)
+        decode = route == "decode"
+        inputs, attention, head = (self._decode_arrays(requests, rows) if decode
+                                   else self.step_arrays(requests, tokens, rows))
         self.restore(requests)
         self.counters[f"{route}_runs"] += 1
         self.counters["real_tokens"] += total
         self.counters["padded_tokens"] += tokens - total
+        board = {"board": self.board} if decode else {}
         out = self._compiled[route, tokens, rows].run(
-            {**jax.device_put(inputs), **self.pools}, {"attention": attention, "kda": {}})
+            {**jax.device_put(inputs), **board, **self.pools}, {"attention": attention, "kda": {}})
         self._adopt(out)
-        sampled = self._compiled["head", tokens, rows].run({"hidden": out["hidden"]},
-                                                           {"sample": head})
-        return self.resampler.finish([r for r in requests if r.sample], rows,
-                                     sampled["sampled"], sampled["logits"])
+        sampled = self._compiled["board-head" if decode else "head", tokens, rows].run(
+            {"hidden": out["hidden"], **board}, {"sample": head})
+        if decode:
+            self.board = sampled["board"]
+        return sampled
 
     def run_eager(self, requests: Sequence[StepRequest], *, plan: str = "ordinary") -> StepOutput:
         """A step op by op at its exact size (``plan``: "inline", "ordinary", "decode", or
@@ -579,7 +638,11 @@ class KimiRunner:
         self.counters["eager_runs"] += 1
         total = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += total
-        inputs, attention, head = self.step_arrays(requests, total, len(requests))
+        if plan == "decode":
+            inputs, attention, head = self._decode_arrays(requests, len(requests))
+            inputs["board"] = self.board
+        else:
+            inputs, attention, head = self.step_arrays(requests, total, len(requests))
         self.restore(requests)
         num_sampled = sum(r.sample for r in requests)
         with self.guard.allowed("Kimi eager forward"):

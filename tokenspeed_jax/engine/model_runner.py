@@ -66,13 +66,20 @@ from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
-    fetch_sampled,
-    needs_full_sampler,
     run_step,
     sampling_arrays,
     sampling_fields,
-    step_output,
     unpack_sampling,
+)
+from tokenspeed_jax.engine.token_board import (
+    board_rows,
+    can_stay_on_board,
+    check_no_token_rows,
+    new_board,
+    pending_decode,
+    read_tokens,
+    token_rows,
+    write_board,
 )
 from tokenspeed_jax.graph import (
     Break,
@@ -218,11 +225,7 @@ class ModelRunner:
         with startup():
             self.k_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
             self.v_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
-        # The last decode step's sampled token ids: a row per sequence the engine may hold (so
-        # the decode executables, and their cache entries, do not depend on the bucket list),
-        # and at least the largest decode executable's rows.
-        board_rows = max(config.max_num_seqs, *self.buckets.decode_executables, MIN_DECODE_ROWS)
-        self.board = jax.device_put(np.zeros(board_rows, np.int32))
+        self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         self.decode_kernel = choose_decode_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
             num_kv_heads=cfg.num_key_value_heads)
@@ -294,9 +297,7 @@ class ModelRunner:
         *caches, board = values
         k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
         positions, slots = meta["positions"], meta["slot_mapping"]
-        token_rows = meta["token_rows"]
-        token_ids = jnp.where(token_rows >= 0, board[jnp.maximum(token_rows, 0)],
-                              meta["token_ids"])
+        token_ids = read_tokens(meta["token_ids"], meta["token_rows"], board)
         hidden = self._outer(outer_state).embed(token_ids)
         for i, state in enumerate(layer_states):
             layer = self._layer(state)
@@ -308,8 +309,7 @@ class ModelRunner:
             hidden = layer.attention_outputs(hidden, attn)
         logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
         sampled = fast_sample(unpack_sampling(meta), logits)
-        board = jnp.zeros_like(board).at[:sampled.shape[0]].set(sampled[:, 0])
-        return (sampled, logits, board, *k_all, *v_all)
+        return (sampled, logits, write_board(board, sampled), *k_all, *v_all)
 
     # ----------------------------------------------------------------- plans
 
@@ -431,14 +431,12 @@ class ModelRunner:
         for row, request in enumerate(requests):
             table = self._page_table(request)
             page_tables[row, :len(table)] = table
-        token_rows = np.full(rows, -1, np.int32)
         if count:
             token_ids[:count] = [r.token_ids[0] for r in requests]
-            token_rows[:count] = [r.token_row for r in requests]
             real = np.array([r.start_pos for r in requests], np.int32)
             positions[:count] = real
             slots[:count] = self._slots_of_rows(page_tables[:count], real)
-        return Packed.of({"token_ids": token_ids, "token_rows": token_rows,
+        return Packed.of({"token_ids": token_ids, "token_rows": token_rows(requests, rows),
                           "positions": positions, "slot_mapping": slots,
                           "page_tables": page_tables,
                           **sampling_fields(sampling_arrays(requests, rows))})
@@ -525,14 +523,9 @@ class ModelRunner:
         requests = batch.requests
         if (self.buckets.decode_requests and batch.is_decode
                 and len(requests) <= self.buckets.decode_requests[-1]
-                and not any(needs_full_sampler(r.params) for r in requests)):
-            sampled = self._decode(requests)[0]["sampled"]
-            sampled.copy_to_host_async()  # queued now, the copy waits for this step only
-            return PendingStep(lambda: step_output([fetch_sampled(sampled, len(requests))]),
-                               on_board=True)
-        if any(r.token_row >= 0 for r in requests):
-            raise ValueError("token_row needs a decode step of one executable whose requests "
-                             "need only the in-step sampler")
+                and can_stay_on_board(requests)):
+            return pending_decode(self._decode(requests)[0]["sampled"], len(requests))
+        check_no_token_rows(requests)
         return PendingStep.done(run_step(requests, self._run, counters=self.counters,
                                          split_mixed=bool(self.buckets.decode_requests)))
 
