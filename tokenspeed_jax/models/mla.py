@@ -10,8 +10,9 @@ r = qk_rope_head_dim, left unrotated (``mla_use_nope``). Attention runs in the a
 
 which equals expanding the latents into per-head K/V (what the reference does) up to float
 rounding, and makes the cache one multi-query head: ``q [T, H, R + r]`` against ``kv [S, 1, R + r]``,
-with the values being the first R features of the same rows. ``latent_attention`` therefore reuses
-the plain masked attention with V = K and drops the last r output features.
+with the values being the first R features of the same rows. Decode (``latent_attention``) and
+prefill (``paged_latent_prefill``) therefore reuse plain attention functions with V = K and drop
+the last r output features.
 
 Weight layouts: ``q_proj [D, H, n + r]`` or ``q_a_proj [D, Q]``, ``q_a_layernorm [Q]``,
 ``q_b_proj [Q, H, n + r]``; ``kv_a_proj [D, R + r]``, ``kv_a_layernorm [R]``,
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tokenspeed_jax.kernels.attention_ref import masked_attention
+from tokenspeed_jax.kernels.paged_prefill_attention import ragged_paged_prefill_attention_reference
 from tokenspeed_jax.models.layers import RMSNorm, linear, normal_param
 
 LORA_NORM_EPS = 1e-6
@@ -137,16 +139,15 @@ def paged_latent_prefill(
     kv_lora_rank: int,
 ) -> jax.Array:  # [T, H, R]
     """Causal latent attention of packed requests over their pages (prefix pages included); a
-    padding token gets zeros."""
-    ctx = _context(pages, page_tables)
-    batch, context = ctx.shape[:2]
-    slot_request = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), context)
-    slot_position = jnp.tile(jnp.arange(context, dtype=jnp.int32), batch)
-    mask = ((slot_request[None, :] == token_request[:, None])
-            & (slot_position[None, :] <= positions[:, None]) & (positions[:, None] >= 0))
-    flat = ctx.reshape(1, batch * context, -1)
-    return latent_attention(masked_attention, q[None], flat, kv_lora_rank, mask[None],
-                            scale=scale)[0]
+    padding token gets zeros.
+
+    The latent cache is one key/value head, so this is the paged prefill attention's plain-JAX
+    path (``ragged_paged_prefill_attention_reference``) with V = K: one page-table row at a time,
+    its keys in chunks up to its live keys. Work and memory follow the live context, never
+    rows x ``max_model_len``."""
+    kv = pages[None]  # [1, num_pages, page_size, R + r]: the head axis first
+    return ragged_paged_prefill_attention_reference(
+        q, kv, kv, page_tables, token_request, positions, scale=scale)[..., :kv_lora_rank]
 
 
 def paged_latent_decode(
