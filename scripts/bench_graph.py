@@ -3,7 +3,8 @@
 Measures, for one model, and prints one table (and writes it as JSON with --out):
 
 * prefill throughput (tokens/s) of one prompt at each --prefill-tokens size: the segmented
-  encoder plan (``ModelRunner``'s compiled plan), the same plan as one ``jax.jit``, and eager;
+  encoder plan (``ModelRunner``'s compiled plan), the encoder of ``inline_prefill_attention``
+  (one executable, attention inside), the segmented plan as one ``jax.jit``, and eager;
 * decode step time (ms) at each --decode-batches size, a whole ``ModelRunner.step`` (host
   metadata, the compiled step with attention and sampler inside, fetching the tokens), and
   the mean step of steps run ahead as the engine's overlap schedule runs them (each launched
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -99,6 +101,9 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
     runner = ModelRunner(model, config, num_pages=top // PAGE_SIZE + 1, page_size=PAGE_SIZE)
     summary = runner.compile_all()
     print(summary.table())
+    inline_runner = ModelRunner(model, dataclasses.replace(config, inline_prefill_attention=True),
+                                num_pages=top // PAGE_SIZE + 1, page_size=PAGE_SIZE)
+    inline_runner.compile_all()
     caches = tuple(runner.kv_caches())
     whole, whole_params = whole_forward(runner.encoder_plan, donate=caches)
     rows, dispatch = [], []
@@ -108,10 +113,12 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
         meta = {"attention": attention}
         plan = runner.encoder(tokens)
 
-        def segmented(plan=plan, inputs=inputs, meta=meta):
+        def segmented(plan=plan, inputs=inputs, meta=meta, runner=runner):
             out = plan.run({**jax.device_put(inputs), **runner.kv_caches()}, meta)
             runner.store_kv_caches(out)
             return jax.block_until_ready(out["hidden"])
+
+        inline = functools.partial(segmented, inline_runner.encoder(tokens), runner=inline_runner)
 
         def whole_jit(inputs=inputs, meta=meta):
             out = whole(whole_params, {**jax.device_put(inputs), **runner.kv_caches()},
@@ -127,13 +134,15 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
             return jax.block_until_ready(out["hidden"])
 
         t_seg = timed(segmented, iters)
+        t_inline = timed(inline, iters)
         with allowed("baseline: whole-forward jit and eager"):
             t_jit = timed(whole_jit, iters)
             t_eager = timed(eager, eager_iters)
         full_step = timed(lambda request=request: runner.step(StepBatch([request])), iters)
         rows.append({"tokens": tokens, "segmented_tok_s": tokens / t_seg,
                      "whole_jit_tok_s": tokens / t_jit, "eager_tok_s": tokens / t_eager,
-                     "segmented_vs_jit": t_seg / t_jit, "full_step_ms": full_step * 1e3})
+                     "segmented_vs_jit": t_seg / t_jit, "inline_tok_s": tokens / t_inline,
+                     "inline_vs_jit": t_inline / t_jit, "full_step_ms": full_step * 1e3})
         enqueue = []
         for _ in range(iters):
             device_inputs = {**jax.device_put(inputs), **runner.kv_caches()}
@@ -311,11 +320,13 @@ def main() -> None:
 
     device = jax.devices()[0].device_kind
     print(f"\n{args.model} ({args.dtype}) on {device}, jax {jax.__version__}")
-    print(f"{'prefill tokens':>14} {'segmented tok/s':>16} {'whole jit tok/s':>16} "
-          f"{'eager tok/s':>12} {'seg/jit time':>12} {'full step ms':>12}")
+    print(f"{'prefill tokens':>14} {'segmented tok/s':>16} {'inline tok/s':>13} "
+          f"{'whole jit tok/s':>16} {'eager tok/s':>12} {'seg/jit time':>12} "
+          f"{'inline/jit time':>15} {'full step ms':>12}")
     for r in prefill:
-        print(f"{r['tokens']:>14} {r['segmented_tok_s']:>16.0f} {r['whole_jit_tok_s']:>16.0f} "
-              f"{r['eager_tok_s']:>12.0f} {r['segmented_vs_jit']:>12.3f} "
+        print(f"{r['tokens']:>14} {r['segmented_tok_s']:>16.0f} {r['inline_tok_s']:>13.0f} "
+              f"{r['whole_jit_tok_s']:>16.0f} {r['eager_tok_s']:>12.0f} "
+              f"{r['segmented_vs_jit']:>12.3f} {r['inline_vs_jit']:>15.3f} "
               f"{r['full_step_ms']:>12.2f}")
     print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16}   "
           f"(context {args.decode_context})")

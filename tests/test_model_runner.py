@@ -474,3 +474,28 @@ def test_pallas_prefill_kernel_in_the_runner_matches_reference(model, monkeypatc
         assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
     finally:
         runner.guard.disarm()
+
+
+def test_inline_prefill_attention_matches_reference(model):
+    """``inline_prefill_attention``: each token bucket's encoder is one executable with attention
+    inside; chunked prompts, a cached prefix, two requests per step and decode after them give
+    the reference forward's tokens, log-probs and K/V pages, with no runtime compile."""
+    config = dataclasses.replace(ENGINE, inline_prefill_attention=True)
+    runner = ModelRunner(model, config, 64, PAGE)
+    assert [call.stage.name for call in runner.encoder_plan.calls] == ["attention"]
+    runner.compile_all()
+    try:
+        pages = Pages()
+        generate(model, runner, pages, prompts(81, 45, 20), steps=2)  # 65 tokens: 3 chunks
+        (prompt,) = prompts(82, 12)
+        table = pages.take(12)
+        runner.step(StepBatch([request("a", prompt, 0, table)]))
+        suffix = prompts(83, 9)[0]
+        table_b = np.concatenate([table, pages.take(9)])
+        out = runner.step(StepBatch([request("b", suffix, 12, table_b)]))
+        check(model, runner, out.token_ids[0], out.logprobs[0], [*prompt, *suffix], table_b)
+        stats = runner.stats()
+        assert stats["chunked_prefill_splits"] == 2 and stats["eager_runs"] == 0
+        assert stats["runtime_compiles"] == 0
+    finally:
+        runner.guard.disarm()

@@ -47,6 +47,10 @@ class EngineConfig:
     compile_progress: bool = True
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
+    # One executable per prefill token bucket with attention inside, instead of segments with
+    # attention at breaks: 2 host calls per prefill step instead of 2 x layers + 1, for models
+    # whose prefill is dispatch-bound; the whole forward compiles per bucket (Llama-family models).
+    inline_prefill_attention: bool = False
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
     # Keep compiled executables on disk and load them on the next start instead of compiling.

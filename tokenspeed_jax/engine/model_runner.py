@@ -24,7 +24,10 @@ Routes, chosen per step from static configuration and the step's sizes:
   kernel on a GPU, per KV-head shard under tensor parallelism, chosen once by
   ``choose_prefill_kernel``). The attention metadata holds
   ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
-  count, do not depend on how much context is cached. Then the *narrowing* break (one per token
+  count, do not depend on how much context is cached. With ``inline_prefill_attention`` the
+  encoder is instead one executable per token bucket, attention inside (as decode has it): two
+  host calls per prefill step instead of 2L+1, for models whose prefill is dispatch-bound, at
+  the price of compiling the whole forward per bucket. Then the *narrowing* break (one per token
   bucket) gathers each sampled request's last hidden row into a block of ``narrow_rows`` rows,
   and a *decoder* plan per row bucket runs the head and the in-step sampler on its first rows.
   Steps with more tokens than the largest bucket are cut into chunks (chunked prefill) or, with
@@ -317,8 +320,22 @@ class ModelRunner:
         return ([f"k_pages.{i}" for i in range(self.num_layers)],
                 [f"v_pages.{i}" for i in range(self.num_layers)])
 
-    def _build_plans(self) -> None:
-        k_names, v_names = self._cache_names()
+    def _inline_encoder(self, params: Any, packed: Packed, token_ids: jax.Array,
+                        positions: jax.Array, *caches: jax.Array) -> tuple:
+        """The whole encoder with attention inside: hidden states and the written caches."""
+        outer_state, layer_states = params
+        k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
+        hidden = self._outer(outer_state).embed(token_ids)
+        for i, state in enumerate(layer_states):
+            layer = self._layer(state)
+            q, k, v = layer.attention_inputs(hidden, positions)
+            attn, k_all[i], v_all[i] = self._attention((), packed, q, k, v, positions,
+                                                       k_all[i], v_all[i])
+            hidden = layer.attention_outputs(hidden, attn)
+        return (hidden, *k_all, *v_all)
+
+    def _segmented_encoder(self, k_names: list[str], v_names: list[str]) -> list[Call]:
+        """The encoder's calls: segments between layers, an attention break per layer."""
         first = Segment("embed+qkv", self._embed_qkv, ("token_ids", "positions"),
                         ("hidden", "q", "k", "v"))
         middle = Segment("out+qkv", self._out_qkv, ("hidden", "attn", "positions"),
@@ -333,7 +350,17 @@ class ModelRunner:
             if i + 1 < self.num_layers:
                 calls.append(Call(middle, (self.layer_states[i], self.layer_states[i + 1])))
         calls.append(Call(last, self.layer_states[-1]))
+        return calls
+
+    def _build_plans(self) -> None:
+        k_names, v_names = self._cache_names()
         caches = (*k_names, *v_names)
+        if self.config.inline_prefill_attention:
+            encoder = Break("attention", self._inline_encoder, ("token_ids", "positions", *caches),
+                            ("hidden", *caches), donate=caches)
+            calls = [Call(encoder, (self.outer_state, tuple(self.layer_states)))]
+        else:
+            calls = self._segmented_encoder(k_names, v_names)
         self.encoder_plan = Plan(calls, ("token_ids", "positions", *caches), ("hidden", *caches))
         narrow = Break("narrow", self._narrow, ("hidden",), ("rows_hidden",))
         self.narrow_plan = Plan([Call(narrow)], ("hidden",), ("rows_hidden",))
