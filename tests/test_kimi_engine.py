@@ -218,6 +218,36 @@ def test_decode_steps_run_ahead_with_the_outputs_of_the_reference(llm):
     assert llm.stats()["runtime_compiles"] == 0
 
 
+def test_a_request_taking_the_state_row_of_one_aborted_while_running_ahead_is_exact(llm):
+    """A request aborted while a decode step runs ahead of it: that step still writes the freed
+    state row and pages. The request that takes them next, and the requests that kept running,
+    still give the reference generator's tokens."""
+    engine = llm.engine
+    prompts = random_prompts(13, 9, 14, 6, 11)
+    ids = ["kept-0", "kept-1", "kept-2", "aborted"]
+    collected = {rid: [] for rid in [*ids, "next"]}
+    default = engine.overlap_schedule
+    engine.overlap_schedule = "on"
+    try:
+        for rid, prompt in zip(ids, prompts):  # max_num_seqs requests: every state row held
+            engine.add_request(rid, prompt, greedy(10))
+        while engine._ahead is None:
+            for output in engine.step():
+                collected[output.request_id] += output.new_token_ids
+        engine.abort("aborted")
+        (following,) = random_prompts(14, 20)
+        engine.add_request("next", following, greedy(8))
+        while engine.has_unfinished:
+            for output in engine.step():
+                collected[output.request_id] += output.new_token_ids
+    finally:
+        engine.overlap_schedule = default
+    expected = reference_tokens(llm, [*prompts[:3], following], 10)
+    assert [collected[rid] for rid in ids[:3]] == expected[:3]
+    assert collected["next"] == expected[3][:8]
+    assert llm.stats()["state_slots_used"] == 0 and engine.block_manager.num_used_pages == 0
+
+
 def test_server_answers_a_chat_request(llm):
     """Last in the module: the server's engine thread takes over ``llm.engine``."""
     messages = [{"role": "user", "content": "w10 w11 w12 w13"}]
