@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 import tokenizers
+from test_llm import with_overlap
 from test_server import running_server
 
 from tokenspeed_jax import LLM, SamplingParams
@@ -194,20 +195,14 @@ def test_decode_steps_run_ahead_with_the_outputs_of_the_reference(llm):
     params = [greedy(16, logprobs=0, stop_token_ids=[first[6]]),
               SamplingParams(max_tokens=16, temperature=0.9, seed=4)]
 
-    def run(overlap: str) -> tuple[list, int]:
-        engine.overlap_schedule = overlap
-        before = engine.stats()["num_overlapped_steps"]
+    def run() -> list:
         outs = [llm.generate(prompts, p) for p in params]
         assert engine.block_manager.num_used_pages == 0
         assert llm.stats()["state_slots_used"] == 0
-        return outs, engine.stats()["num_overlapped_steps"] - before
+        return outs
 
-    default = engine.overlap_schedule
-    try:
-        synchronous, none = run("off")
-        overlapped, ahead = run("on")
-    finally:
-        engine.overlap_schedule = default
+    synchronous, none = with_overlap(engine, "off", run)
+    overlapped, ahead = with_overlap(engine, "on", run)
     assert none == 0 and ahead > 0
     expected = llm.reference.generate(prompts, [params[0]] * len(prompts))
     assert [o.token_ids for o in overlapped[0]] == [e.token_ids for e in expected]
@@ -226,22 +221,21 @@ def test_a_request_taking_the_state_row_of_one_aborted_while_running_ahead_is_ex
     prompts = random_prompts(13, 9, 14, 6, 11)
     ids = ["kept-0", "kept-1", "kept-2", "aborted"]
     collected = {rid: [] for rid in [*ids, "next"]}
-    default = engine.overlap_schedule
-    engine.overlap_schedule = "on"
-    try:
+    (following,) = random_prompts(14, 20)
+
+    def run() -> None:
         for rid, prompt in zip(ids, prompts):  # max_num_seqs requests: every state row held
             engine.add_request(rid, prompt, greedy(10))
         while engine._ahead is None:
             for output in engine.step():
                 collected[output.request_id] += output.new_token_ids
         engine.abort("aborted")
-        (following,) = random_prompts(14, 20)
         engine.add_request("next", following, greedy(8))
         while engine.has_unfinished:
             for output in engine.step():
                 collected[output.request_id] += output.new_token_ids
-    finally:
-        engine.overlap_schedule = default
+
+    with_overlap(engine, "on", run)
     expected = reference_tokens(llm, [*prompts[:3], following], 10)
     assert [collected[rid] for rid in ids[:3]] == expected[:3]
     assert collected["next"] == expected[3][:8]

@@ -5,7 +5,9 @@ transformers' and against the plain reference generator, with runtime compiles f
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,6 +146,18 @@ def test_bad_prompts_raise_clear_errors(tiny, prompt, message):
         llm.generate([prompt], GREEDY)
 
 
+def with_overlap(engine: Engine, setting: str, run: Callable[[], Any]) -> tuple[Any, int]:
+    """``run()`` with ``engine.overlap_schedule`` set to ``setting`` (restored afterwards), and
+    how many decode steps ran ahead meanwhile."""
+    default, before = engine.overlap_schedule, engine.stats()["num_overlapped_steps"]
+    engine.overlap_schedule = setting
+    try:
+        result = run()
+    finally:
+        engine.overlap_schedule = default
+    return result, engine.stats()["num_overlapped_steps"] - before
+
+
 def test_overlap_schedule_gives_the_outputs_of_the_synchronous_loop(smollm2, smollm2_golden):
     """Running each decode step ahead (launched before the previous step's tokens reach the
     host) changes nothing: stop tokens, stop strings, max_tokens and seeded sampling give the
@@ -156,20 +170,13 @@ def test_overlap_schedule_gives_the_outputs_of_the_synchronous_loop(smollm2, smo
             SamplingParams(max_tokens=40, temperature=0.0, stop=[" the"])]
     engine = smollm2.engine
 
-    def run(overlap: str) -> tuple[list, int]:
-        engine.overlap_schedule = overlap
-        before = engine.stats()["num_overlapped_steps"]
+    def run() -> list:
         outs = [smollm2.chat(conversations, params) for params in chat]
         assert engine.block_manager.num_used_pages == 0
-        return ([[(o.token_ids, o.text, o.finish_reason) for o in group] for group in outs],
-                engine.stats()["num_overlapped_steps"] - before)
+        return [[(o.token_ids, o.text, o.finish_reason) for o in group] for group in outs]
 
-    default = engine.overlap_schedule
-    try:
-        synchronous, none = run("off")
-        overlapped, overlapped_steps = run("on")
-    finally:
-        engine.overlap_schedule = default
+    synchronous, none = with_overlap(engine, "off", run)
+    overlapped, overlapped_steps = with_overlap(engine, "on", run)
     assert none == 0 and overlapped_steps > 0
     assert overlapped == synchronous
     reasons = {reason for group in synchronous for _, _, reason in group}

@@ -533,8 +533,8 @@ class KimiRunner:
             compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}",
                          self.restore_plan, {**rows, **{n: pools[n] for n in self.state_pools}},
                          shardings=shardings)
-        self.resampler.add(compiler, [n for _, n in dict.fromkeys(
-            shapes + [(n, n) for n in self.buckets.decode_executables])])
+        self.resampler.add(compiler, [*(n for _, n in shapes),
+                                      *self.buckets.decode_executables])
         plans, summary = compiler.compile_all()
         for label, plan in self.resampler.adopt(plans).items():
             route, tokens, requests = label.split()
@@ -578,7 +578,8 @@ class KimiRunner:
         requests = batch.requests
         if (requests and self.compiled and self.route(requests) == "decode"
                 and can_stay_on_board(requests)):
-            return pending_decode(self._enqueue("decode", requests)["sampled"], len(requests))
+            return pending_decode(self._enqueue("decode", requests)[0]["sampled"],
+                                  len(requests))
         check_no_token_rows(requests)
         return PendingStep.done(self.step(batch))
 
@@ -602,14 +603,15 @@ class KimiRunner:
         return step_output([self._compiled_rows(route, requests)])
 
     def _compiled_rows(self, route: str, requests: Sequence[StepRequest]) -> np.ndarray:
-        sampled = self._enqueue(route, requests)
-        return self.resampler.finish([r for r in requests if r.sample],
-                                     self.bucket(route, requests)[1], sampled["sampled"],
-                                     sampled["logits"])
+        sampled, rows = self._enqueue(route, requests)
+        return self.resampler.finish([r for r in requests if r.sample], rows,
+                                     sampled["sampled"], sampled["logits"])
 
-    def _enqueue(self, route: str, requests: Sequence[StepRequest]) -> dict[str, jax.Array]:
+    def _enqueue(self, route: str, requests: Sequence[StepRequest]
+                 ) -> tuple[dict[str, jax.Array], int]:
         """Enqueue a step on the compiled plan of ``route`` and its head (keeping the pools and,
-        on the decode route, the token board): the head's outputs, on the device."""
+        on the decode route, the token board): the head's outputs, on the device, and its
+        request rows."""
         total = sum(r.num_tokens for r in requests)
         tokens, rows = self.bucket(route, requests)
         decode = route == "decode"
@@ -627,7 +629,7 @@ class KimiRunner:
             {"hidden": out["hidden"], **board}, {"sample": head})
         if decode:
             self.board = sampled["board"]
-        return sampled
+        return sampled, rows
 
     def run_eager(self, requests: Sequence[StepRequest], *, plan: str = "ordinary") -> StepOutput:
         """A step op by op at its exact size (``plan``: "inline", "ordinary", "decode", or
