@@ -37,9 +37,9 @@ PREFILL_CASES = {"T=2048": [2048], "T=8192": [8192], "T=32768": [32768], "16x102
 SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parallel
 DECODE_BATCHES = (1, 64, 256)
 VARIANTS = {  # our prefill under other settings, timed at T=8192 and T=32768
-    "pallas-columns": kda.ChunkConfig(diagonal_form="columns"),
     "pallas-key_split16": kda.ChunkConfig(key_split=16),
-    "pallas-intra_warps4": kda.ChunkConfig(intra_num_warps=4),
+    "pallas-scores_warps8": kda.ChunkConfig(scores_num_warps=8),
+    "pallas-solve_warps8": kda.ChunkConfig(solve_num_warps=8),
 }
 VARIANT_CASES = ("T=8192", "T=32768")
 DECODE_VARIANTS = {"pallas-decode_block_v32": kda_decode.RecurrentConfig(block_v=32)}
@@ -215,8 +215,10 @@ def prefill_stages(lengths, calls=10):
         token_of_row, first_chunk, _ = kda._chunk_layout(cu, num_tokens, num_chunks)
         return [kda._to_chunks(x, token_of_row) for x in (q, k, v, g, beta)], first_chunk
 
-    intra = jax.jit(functools.partial(kda.intra_stage, group=1, scale=K**-0.5, config=config,
-                                      interpret=False))
+    intra = jax.jit(functools.partial(
+        kda.intra_stage, group=1, scale=K**-0.5, key_split=config.key_split,
+        scores_num_warps=config.scores_num_warps, solve_num_warps=config.solve_num_warps,
+        interpret=False))
     scan = jax.jit(functools.partial(kda.scan_stage, out_dtype=jnp.bfloat16, config=config,
                                      interpret=False))
     chunks, first_chunk = to_chunks(q, k, v, g, beta)

@@ -174,43 +174,22 @@ def test_nilpotent_inverse_matches_numpy(nilpotency):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_blockwise_nilpotent_inverse_matches_numpy():
-    rng = np.random.default_rng(10)
-    strict = np.tril(rng.uniform(-1.0, 1.0, (3, 16, 16)), -1)
-    got = kda_intra.nilpotent_inverse(jnp.asarray(strict, jnp.float32), 16,
-                                      kda_intra.batched_matmul)
-    np.testing.assert_allclose(got, np.linalg.inv(np.eye(16) + strict), rtol=1e-4, atol=1e-4)
-
-
-def test_widen_places_blocks_on_the_diagonal():
-    blocks = np.arange(3 * 16 * 16, dtype=np.float32).reshape(3, 16, 16) + 1
-    wide = np.zeros((48, 48), np.float32)
-    for b in range(3):
-        wide[16 * b:16 * b + 16, 16 * b:16 * b + 16] = blocks[b]
-    np.testing.assert_array_equal(
-        kda_intra.widen(jnp.asarray(blocks), jax.lax.Precision.HIGHEST), wide)
-
-
-def test_broadcast_diagonal_matches_pairwise_sums_under_strong_decay():
+def test_block_pairs_match_pairwise_sums_under_strong_decay():
     rng = np.random.default_rng(9)
-    chunk, sub, keys = 32, kda_intra.SUB_BLOCK, 8
-    q, k = rng.standard_normal((2, chunk, keys))
-    gc = np.cumsum(-rng.uniform(0.0, 1.0, (chunk, keys)), axis=0)
-    gc[20:] -= 100.0  # a step of -100 inside the second sub-block
-    got_kk, got_qk = kda_intra.broadcast_diagonal(
-        *(jnp.asarray(x, jnp.float32) for x in (q, k, gc)))
+    sub, keys = kda_intra.SUB_BLOCK, 8
+    q, k = rng.standard_normal((2, sub, keys))
+    gc = np.cumsum(-rng.uniform(0.0, 1.0, (sub, keys)), axis=0)
+    gc[6:] -= 100.0  # a step of -100 inside the block
+    got_kk, got_qk = kda_intra.block_pairs(*(jnp.asarray(x, jnp.float32) for x in (q, k, gc)))
     assert np.all(np.isfinite(got_kk)) and np.all(np.isfinite(got_qk))
-    # blocks[b, r, o] pairs row i = 16 b + r with column j = 16 b + o
-    i = np.arange(chunk).reshape(-1, sub)[:, :, None]
-    j = i - i % sub + np.arange(sub)
+    j, i = np.arange(sub)[:, None], np.arange(sub)[None, :]  # the result is indexed (j, i)
     decay = np.exp(np.minimum(gc[i] - gc[j], 0.0))
     np.testing.assert_allclose(got_kk, np.sum(k[i] * k[j] * decay, -1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_qk, np.sum(q[i] * k[j] * decay, -1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("diagonal_form", kda_intra.DIAGONAL_FORMS)
 @pytest.mark.parametrize("key_split", [8, 16, 32])
-def test_per_chunk_kernel_matches_reference_with_split_keys(key_split, diagonal_form):
+def test_per_chunk_kernels_match_reference_with_split_keys(key_split):
     rng = np.random.default_rng(8)
     wide = 32  # one to four key slices in the per-chunk kernel's loop
     cu = np.array([0, 70, 200], np.int32)
@@ -226,7 +205,7 @@ def test_per_chunk_kernel_matches_reference_with_split_keys(key_split, diagonal_
     o_ref, s_ref = reference(inputs, cu, pool)
     o, new_pool = kda.chunk_kda_prefill(
         *inputs, pool, jnp.array([0, 1], jnp.int32), jnp.asarray(cu), interpret=True,
-        config=kda.ChunkConfig(key_split=key_split, diagonal_form=diagonal_form))
+        config=kda.ChunkConfig(key_split=key_split))
     assert rel_err(o, o_ref) < 1e-4
     np.testing.assert_allclose(new_pool, s_ref, rtol=1e-4, atol=1e-4)
 
@@ -256,9 +235,9 @@ def test_prefill_rejects_bad_shapes():
     with pytest.raises(TypeError, match="float32"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.bfloat16), slots,
                               jnp.array([0, 8], jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match="diagonal_form"):
+    with pytest.raises(ValueError, match="key_split"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 8], jnp.int32),
-                              config=kda.ChunkConfig(diagonal_form="rows"), interpret=True)
+                              config=kda.ChunkConfig(key_split=3), interpret=True)
     with pytest.raises(ValueError, match="multiple"):
         kda.chunk_kda(q[None].repeat(3, 2), k[None].repeat(3, 2), v[None], g[None], beta[None],
                       interpret=True)

@@ -1,14 +1,14 @@
 """KDA (Kimi Delta Attention) chunked prefill as Pallas GPU kernels, over a state pool.
 
 The function is the one `kda_ref` defines (token recurrence with per-channel decay and a delta
-rule). Prefill runs in two kernels over 64-token chunks:
+rule). Prefill runs in two stages over 64-token chunks:
 
-1. `intra_stage` (the kernel in `kda_intra`), one program per (chunk, value head), all in
-   parallel: the in-chunk part of the WY/UT transform, which does not depend on the state. It
-   builds the strictly lower key-key matrix L and the causal query-key matrix, inverts (I + L),
-   and writes w, u, decayed q and k and the query-key matrix.
-2. `scan_stage` (`_state_scan_kernel`), one program per (request, value head, block of V): walks the request's
-   chunks in order, carrying the [K, block_v] fp32 state, and writes the output.
+1. `intra_stage` (the scores and solve kernels in `kda_intra`), all chunks in parallel: the
+   in-chunk part of the WY/UT transform, which does not depend on the state. It builds the
+   strictly lower key-key matrix L and the causal query-key matrix, inverts (I + L), and writes
+   w, u, decayed q and k and the query-key matrix.
+2. `scan_stage` (`_state_scan_kernel`), one program per (request, value head, block of V): walks
+   the request's chunks in order, carrying the [K, block_v] fp32 state, and writes the output.
 
 Invariants:
 - Inputs are packed ([T, ...], fla's `cu_seqlens` layout with B squeezed) and all shapes are
@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_intra import DIAGONAL_FORMS, intra_chunk_kernel
+from tokenspeed_jax.kernels.kda_intra import intra_stage
 from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
@@ -66,9 +66,9 @@ class ChunkConfig:
     """Tuning knobs of the chunked prefill kernels."""
 
     block_v: int = 32  # V columns of state per scan program
-    key_split: int = 8  # K channels per step of the per-chunk kernel's products
-    diagonal_form: str = "broadcast"  # in-sub-block products: one of kda_intra.DIAGONAL_FORMS
-    intra_num_warps: int = 8
+    key_split: int = 8  # K channels per broadcast product of the in-block pairs
+    scores_num_warps: int = 4
+    solve_num_warps: int = 4
     scan_num_warps: int = 4
     num_stages: int = 3  # load pipeline depth with bf16 operands; fp32 ones get at most 2
 
@@ -123,48 +123,6 @@ def _state_scan_kernel(
     @pl.when(slot >= 0)
     def _():
         pool_out_ref[slot, head, :, cols] = state
-
-
-def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, config: ChunkConfig,
-                interpret: bool):
-    """The per-chunk kernel over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
-    g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]): returns qg, w, kg, u, aqk
-    [HV, NC, C, *] and glast [HV, NC, K] fp32."""
-    num_chunks, C, HV, K = g_c.shape
-    V = v_c.shape[-1]
-    key_split = min(config.key_split, K)
-    precision = lax.Precision.HIGHEST if v_c.dtype == jnp.float32 else lax.Precision.DEFAULT
-    dot_dtype = jnp.float32 if v_c.dtype == jnp.float32 else jnp.bfloat16
-    squeezed = pl.squeezed
-    qk_spec = pl.BlockSpec((squeezed, C, squeezed, K), lambda c, h: (c, 0, h // group, 0))
-    per_head_k = pl.BlockSpec((squeezed, C, squeezed, K), lambda c, h: (c, 0, h, 0))
-    per_head_v = pl.BlockSpec((squeezed, C, squeezed, V), lambda c, h: (c, 0, h, 0))
-    beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h: (c, 0, h))
-
-    def out_spec(width):
-        return pl.BlockSpec((squeezed, squeezed, C, width), lambda c, h: (h, c, 0, 0))
-
-    def chunked(width):
-        return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dot_dtype)
-
-    exact = (lax.Precision.HIGHEST if interpret or v_c.dtype == jnp.float32
-             else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-    kernel = functools.partial(intra_chunk_kernel, scale=scale, key_split=key_split,
-                               diagonal_form=config.diagonal_form, precision=precision,
-                               exact=exact)
-    gc = jnp.cumsum(g_c, axis=1)
-    qg, w, kg, u, aqk = pl.pallas_call(
-        kernel,
-        grid=(num_chunks, HV),
-        in_specs=[qk_spec, qk_spec, per_head_v, per_head_k, beta_spec],
-        out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V), out_spec(C)],
-        out_shape=[chunked(K), chunked(K), chunked(K), chunked(V), chunked(C)],
-        compiler_params=pallas_backend.compiler_params(
-            num_warps=config.intra_num_warps, num_stages=_num_stages(config, dot_dtype)),
-        interpret=interpret,
-        name="kda_intra_chunk",
-    )(q_c, k_c, v_c, gc, beta_c)
-    return qg, w, kg, u, aqk, jnp.transpose(gc[:, -1], (1, 0, 2))
 
 
 def _num_stages(config: ChunkConfig, dot_dtype) -> int:
@@ -281,9 +239,6 @@ def chunk_kda_prefill(
     key_split = min(config.key_split, K)
     if V % block_v or K % key_split:
         raise ValueError(f"{V=} must be a multiple of {block_v=} and {K=} of {key_split=}")
-    if config.diagonal_form not in DIAGONAL_FORMS:
-        raise ValueError(f"diagonal_form must be one of {DIAGONAL_FORMS}, got "
-                         f"{config.diagonal_form!r}")
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
 
@@ -295,7 +250,8 @@ def chunk_kda_prefill(
     q_c, k_c, v_c, g_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, v, g, beta))
 
     intra_out = intra_stage(q_c, k_c, v_c, g_c, beta_c, group=group, scale=scale,
-                            config=config, interpret=interpret)
+                            key_split=key_split, scores_num_warps=config.scores_num_warps,
+                            solve_num_warps=config.solve_num_warps, interpret=interpret)
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
     o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,
                                  config=config, interpret=interpret)

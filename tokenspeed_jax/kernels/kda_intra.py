@@ -1,47 +1,48 @@
-"""The per-chunk half of KDA's chunked prefill: one Pallas program per (64-token chunk, value head).
+"""The per-chunk half of KDA's chunked prefill: two Pallas kernels over 64-token chunks.
 
-For one chunk it forms the strictly lower key-key matrix kk[i, j] = sum_d k_id k_jd
-exp(gc_id - gc_jd) and the causal query-key matrix (gc the in-chunk cumulative log gate), inverts
-(I + beta kk), and writes w = (I + beta kk)^-1 (beta exp(gc) k), u = (I + beta kk)^-1 (beta v),
-the decayed q and k, and the query-key matrix. Nothing here depends on the recurrent state, so all
-chunks run in parallel; the state scan in `kda` consumes these outputs.
+For one chunk and value head, with gc the in-chunk cumulative log gate, let
+kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
+diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
+M = (I + D)^-1 E. The scores kernel, one program per (chunk, value head, 16-row block), forms
+its rows of kk and of the causal query-key matrix (scaled), inverts its own diagonal block and
+writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of the diagonal
+blocks). The solve kernel, one program per (chunk, value head), finishes the inverse and writes
+w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing here
+depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
+the outputs.
 
 Invariants:
 - Every exponent is <= 0, so g down to -100 (and far below) underflows to 0 and never overflows.
-  A pair (i, j) in different 16-row sub-blocks meets through the first row r of row i's
-  sub-block, exp(gc_i - gc_r) * exp(gc_r - gc_j) (one dot per sub-block boundary); a pair in the
-  same sub-block gets its exact pairwise decay exp(min(gc_i - gc_j, 0)) (the clamp only touches
-  pairs j > i, which the masks drop).
-- The in-sub-block pairs are kept compact, as [C / 16, 16, 16] blocks (blocks[b, r, o] is entry
-  (16 b + r, 16 b + o)). `DIAGONAL_FORMS` names the two ways to form them: "broadcast" takes
-  every pair at once as a product over [key_split, 16, 16, C / 16] reduced over the key axis;
-  "columns" takes one column of every sub-block per loop step (16 dependent steps per slice).
-- Register use is bounded by `key_split`: the products over K accumulate over slices of
-  `key_split` channels in a `fori_loop`, so only [C, key_split] slices of q, k and gc (and, in
-  the broadcast form, the [key_split, 16, 16, C / 16] pairwise product) are live.
-- Whole matrices are [C, C] tiles and sub-blocks of them are masks (the Triton lowering slices
-  refs, not values); values change shape only by reshapes, transposes and broadcasts. The
-  Triton lowering lays a broadcast product out with its trailing axes over lanes and warps, so
-  every product reduces over its leading axis, which stays inside each thread.
-- The inverse is (I + M)^-1 (I + D)^-1, with D the diagonal sub-blocks of the lower matrix and
-  M = (I + D)^-1 E (E the rest); both are nilpotent, so each inverse is a short product of
-  squarings (the powers can cancel, so nothing there rounds below fp32): (I + D)^-1 on the
-  compact blocks in fp32 arithmetic, the rest with `exact` dots.
+  A pair (i, j) with j in an earlier 16-row block than i meets through the first row r of i's
+  block, exp(gc_i - gc_r) * exp(gc_r - gc_j): one dot over the whole key axis per block. A pair
+  inside a block gets its exact pairwise decay exp(min(gc_i - gc_j, 0)) (the clamp only touches
+  pairs j > i, which the masks drop), as a broadcast product over [key_split, 16, 16] per slice
+  of `key_split` keys, reduced over its leading (in-thread) axis.
+- Programs are small on purpose: a program holds one row block's products or one chunk's
+  solve, so an SM holds several and their memory waits overlap.
+- The scores kernel writes each row block twice without overlap: the columns of other blocks
+  with a masked store, its own 16 x 16 diagonal block with a plain one (no two threads store to
+  one address, so no ordering between them is needed).
+- D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
+  squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
+- The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kernel_math import dot, dot_nt
 
 SUB_BLOCK = 16  # rows sharing one decay reference point; also Triton's smallest dot tile
-DIAGONAL_FORMS = ("broadcast", "columns")  # how the in-sub-block products are formed
 LOG2_E = 1.4426950408889634
+COLUMN_SLICE = 64  # key or value columns per wide dot
 
 
 def decay(log_decay):
@@ -51,17 +52,9 @@ def decay(log_decay):
     return jnp.exp2(log_decay * LOG2_E)
 
 
-def batched_matmul(a, b):
-    """[n, p, q] @ [n, q, r] per leading index in fp32 arithmetic (the Triton lowering has no
-    batched dot), as a broadcast product over [q, n, p, r] reduced over its leading axis."""
-    a = jnp.transpose(a, (2, 0, 1))  # [q, n, p]
-    b = jnp.transpose(b, (1, 0, 2))  # [q, n, r]
-    return jnp.sum(a[:, :, :, None] * b[:, :, None, :], axis=0)
-
-
 def nilpotent_inverse(strict, nilpotency: int, matmul):
-    """(I + N)^-1 for N ([..., n, n]) with N^nilpotency = 0 (nilpotency a power of two): the
-    product (I - N)(I + N^2)(I + N^4)... up to N^(nilpotency / 2), each product by `matmul`."""
+    """(I + N)^-1 for N ([n, n]) with N^nilpotency = 0 (nilpotency a power of two): the product
+    (I - N)(I + N^2)(I + N^4)... up to N^(nilpotency / 2), each product by `matmul`."""
     size = strict.shape[-1]
     eye = (lax.broadcasted_iota(jnp.int32, (size, size), 0)
            == lax.broadcasted_iota(jnp.int32, (size, size), 1)).astype(jnp.float32)
@@ -73,138 +66,171 @@ def nilpotent_inverse(strict, nilpotency: int, matmul):
     return inverse
 
 
-def widen(blocks, precision):
-    """[C / 16, 16, 16] diagonal blocks as the block-diagonal [C, C] matrix: a 0/1 dot repeats
-    each row's 16 values across the row (exact with an fp32-exact `precision`), and the
-    sub-block mask keeps the copy on the diagonal. (A broadcast and reshape does the same
-    without a dot, but the layout change it costs in the Triton lowering spills registers.)"""
-    num_sub = blocks.shape[0]
-    chunk = num_sub * SUB_BLOCK
-    spread = (lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, chunk), 1) % SUB_BLOCK
-              == lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, chunk), 0)).astype(jnp.float32)
-    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) // SUB_BLOCK
-    cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) // SUB_BLOCK
-    return jnp.where(rows == cols, dot(blocks.reshape(chunk, SUB_BLOCK), spread, precision), 0.0)
+def block_pairs(q, k, gc):
+    """One 16-row block's pairs over one key slice ([16, key_split] q, k, gc): (k_i . k_j,
+    q_i . k_j) with the exact decay exp(min(gc_i - gc_j, 0)), each [16, 16] indexed (j, i) (the
+    layout the product reduces into; callers sum slices and transpose once). The product runs
+    over [key, j, i], so each thread reduces its own key axis."""
+    q, k, gc = q.T, k.T, gc.T
+    decayed = k[:, :, None] * decay(jnp.minimum(gc[:, None, :] - gc[:, :, None], 0.0))
+    return tuple(jnp.sum(x[:, None, :] * decayed, axis=0) for x in (k, q))
 
 
-def broadcast_diagonal(q, k, gc):
-    """The diagonal blocks of one key slice ([C, key_split] q, k, gc), all pairs at once:
-    (k_i . k_j, q_i . k_j) with the exact decay exp(min(gc_i - gc_j, 0)), each [C / 16, 16, 16].
-    The product runs over [key, j, i, block], so each thread reduces its own key axis and holds
-    several j (q, k and gc of row i are read once for them)."""
-    chunk, key_split = k.shape
-    key_major = (key_split, chunk // SUB_BLOCK, SUB_BLOCK)
-    q, k, gc = (jnp.transpose(x.T.reshape(key_major), (0, 2, 1)) for x in (q, k, gc))
-    decayed = k[:, :, None, :] * decay(jnp.minimum(gc[:, None, :, :] - gc[:, :, None, :], 0.0))
-    return tuple(jnp.transpose(jnp.sum(x[:, None, :, :] * decayed, axis=0), (2, 1, 0))
-                 for x in (k, q))
-
-
-def column_diagonal(q, k, gc, k_ref, gc_ref, keys):
-    """The same blocks as `broadcast_diagonal`, one column of every sub-block per loop step:
-    step `offset` loads row 16 * b + offset of each sub-block b and pairs it with every row of
-    that sub-block."""
-    chunk, key_split = k.shape
-    num_sub = chunk // SUB_BLOCK
-    row_sub = lax.broadcasted_iota(jnp.int32, (chunk, key_split), 0) // SUB_BLOCK
-    sub_cols = lax.broadcasted_iota(jnp.int32, (chunk, SUB_BLOCK), 1)
-
-    def step(offset, products):  # products: [C, 16], column o of row i is entry (i, 16 b + o)
-        diagonal_kk, diagonal_qk = products
-        partner_k = jnp.zeros_like(k)
-        partner_g = jnp.zeros_like(gc)
-        for b in range(num_sub):
-            row = pl.ds(b * SUB_BLOCK + offset, 1)
-            partner_k = jnp.where(row_sub == b, k_ref[row, keys].astype(jnp.float32), partner_k)
-            partner_g = jnp.where(row_sub == b, gc_ref[row, keys], partner_g)
-        decayed = partner_k * decay(jnp.minimum(gc - partner_g, 0.0))
-        at = sub_cols == offset
-        diagonal_kk += jnp.where(at, jnp.sum(k * decayed, axis=1)[:, None], 0.0)
-        diagonal_qk += jnp.where(at, jnp.sum(q * decayed, axis=1)[:, None], 0.0)
-        return diagonal_kk, diagonal_qk
-
-    zeros = jnp.zeros((chunk, SUB_BLOCK), jnp.float32)
-    products = lax.fori_loop(0, SUB_BLOCK, step, (zeros, zeros))
-    return tuple(p.reshape(num_sub, SUB_BLOCK, SUB_BLOCK) for p in products)
-
-
-def intra_chunk_kernel(
+def scores_kernel(
     q_ref,  # [C, K]
     k_ref,  # [C, K]
-    v_ref,  # [C, V]
     gc_ref,  # [C, K] fp32, in-chunk cumulative log decay
     beta_ref,  # [C]
-    qg_ref,  # [C, K]  scale * q * exp(gc)
-    w_ref,  # [C, K]  (I + A)^-1 (beta * exp(gc) * k)
-    kg_ref,  # [C, K]  k * exp(gc_last - gc)
-    u_ref,  # [C, V]  (I + A)^-1 (beta * v)
-    aqk_ref,  # [C, C]  causal scale * q_i . k_j * exp(gc_i - gc_j)
+    parts_ref,  # [16, C] fp32, this block's rows of M + (I + D)^-1
+    aqk_ref,  # [16, C]  this block's rows of the causal scale * q_i . k_j * exp(gc_i - gc_j)
     *,
     scale: float,
     key_split: int,
-    diagonal_form: str,
     precision,
     exact,
 ):
     f32 = jnp.float32
     chunk, head_k = k_ref.shape
-    num_sub = chunk // SUB_BLOCK
-    row_sub = lax.broadcasted_iota(jnp.int32, (chunk, key_split), 0) // SUB_BLOCK
-    rows = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-    beta = beta_ref[...].astype(f32)
+    block = pl.program_id(2)
+    start = pl.multiple_of(block * SUB_BLOCK, SUB_BLOCK)
+    rows = pl.ds(start, SUB_BLOCK)
 
-    def key_slice(s, products):
+    across_kk = across_qk = jnp.zeros((SUB_BLOCK, chunk), f32)
+    for keys in _column_slices(head_k):
+        reference = gc_ref[pl.ds(start, 1), keys]
+        to_reference = decay(gc_ref[rows, keys] - reference)
+        earlier = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < start
+        right = jnp.where(earlier, k_ref[:, keys].astype(f32)
+                          * decay(jnp.minimum(reference - gc_ref[:, keys], 0.0)), 0.0)
+        across_kk += dot_nt(k_ref[rows, keys].astype(f32) * to_reference, right, precision)
+        across_qk += dot_nt(q_ref[rows, keys].astype(f32) * (scale * to_reference), right,
+                            precision)
+
+    def key_slice(s, within):  # within: both [16, 16] sums, indexed (j, i)
         keys = pl.ds(pl.multiple_of(s * key_split, key_split), key_split)
-        q = q_ref[:, keys].astype(f32) * scale
-        k = k_ref[:, keys].astype(f32)
+        pairs = block_pairs(q_ref[rows, keys].astype(f32) * scale,
+                            k_ref[rows, keys].astype(f32), gc_ref[rows, keys])
+        return tuple(total + pair for total, pair in zip(within, pairs))
+
+    zeros = jnp.zeros((SUB_BLOCK, SUB_BLOCK), f32)
+    within_kk, within_qk = lax.fori_loop(0, head_k // key_split, key_slice, (zeros, zeros))
+
+    i = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 0)
+    j = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 1)
+    beta = beta_ref[rows].astype(f32)[:, None]
+    exact_dot = functools.partial(dot, precision=exact)
+    block_inverse = nilpotent_inverse(jnp.where(i > j, within_kk.T, 0.0) * beta, SUB_BLOCK,
+                                      exact_dot)
+    other_block = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, chunk), 1) // SUB_BLOCK != block
+    pallas_backend.masked_store(parts_ref, exact_dot(block_inverse, across_kk * beta),
+                                other_block)
+    pallas_backend.masked_store(aqk_ref, across_qk.astype(aqk_ref.dtype), other_block)
+    parts_ref[:, rows] = block_inverse
+    aqk_ref[:, rows] = jnp.where(i >= j, within_qk.T, 0.0).astype(aqk_ref.dtype)
+
+
+def solve_kernel(
+    q_ref,  # [C, K]
+    k_ref,  # [C, K]
+    v_ref,  # [C, V]
+    gc_ref,  # [C, K] fp32
+    beta_ref,  # [C]
+    parts_ref,  # [C, C] fp32, M + (I + D)^-1
+    qg_ref,  # [C, K]  scale * q * exp(gc)
+    w_ref,  # [C, K]  (I + A)^-1 (beta * exp(gc) * k)
+    kg_ref,  # [C, K]  k * exp(gc_last - gc)
+    u_ref,  # [C, V]  (I + A)^-1 (beta * v)
+    *,
+    scale: float,
+    precision,
+    exact,
+):
+    f32 = jnp.float32
+    chunk = k_ref.shape[0]
+    beta = beta_ref[...].astype(f32)[:, None]
+    row_block = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) // SUB_BLOCK
+    col_block = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) // SUB_BLOCK
+    parts = parts_ref[...]
+    exact_dot = functools.partial(dot, precision=exact)
+    across = jnp.where(row_block > col_block, parts, 0.0)
+    t_mat = exact_dot(nilpotent_inverse(across, chunk // SUB_BLOCK, exact_dot),
+                      jnp.where(row_block == col_block, parts, 0.0))
+
+    for cols in _column_slices(v_ref.shape[1]):
+        u_ref[:, cols] = dot(t_mat, v_ref[:, cols].astype(f32) * beta, precision).astype(
+            u_ref.dtype)
+    for keys in _column_slices(k_ref.shape[1]):
         gc = gc_ref[:, keys]
-        qg_ref[:, keys] = (q * decay(gc)).astype(qg_ref.dtype)
-        last = gc_ref[chunk - 1, keys][None, :]
+        k = k_ref[:, keys].astype(f32)
+        w_ref[:, keys] = dot(t_mat, k * decay(gc) * beta, precision).astype(w_ref.dtype)
+        qg_ref[:, keys] = (q_ref[:, keys].astype(f32) * scale * decay(gc)).astype(qg_ref.dtype)
+        last = gc_ref[pl.ds(chunk - 1, 1), keys]
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
 
-        boundary = [gc_ref[b * SUB_BLOCK, keys][None, :] for b in range(num_sub)]
-        reference = jnp.zeros_like(gc)
-        for b in range(num_sub):
-            reference = jnp.where(row_sub == b, boundary[b], reference)
-        to_reference = decay(gc - reference)
-        k_left, q_left = k * to_reference, q * to_reference
-        kk, qk, diagonal_kk, diagonal_qk = products
-        for b in range(1, num_sub):
-            k_right = k * decay(jnp.minimum(boundary[b] - gc, 0.0))
-            in_block = (rows // SUB_BLOCK == b) & (cols < b * SUB_BLOCK)
-            kk += jnp.where(in_block, dot_nt(k_left, k_right, precision), 0.0)
-            qk += jnp.where(in_block, dot_nt(q_left, k_right, precision), 0.0)
 
-        if diagonal_form == "broadcast":
-            slice_kk, slice_qk = broadcast_diagonal(q, k, gc)
-        else:
-            slice_kk, slice_qk = column_diagonal(q, k, gc, k_ref, gc_ref, keys)
-        return kk, qk, diagonal_kk + slice_kk, diagonal_qk + slice_qk
+def _column_slices(width: int):
+    """Static slices of at most COLUMN_SLICE columns: the [64, width] operands of the kernels'
+    wide dots are taken a slice at a time, which bounds the registers they hold."""
+    step = min(width, COLUMN_SLICE)
+    return [pl.ds(first, step) for first in range(0, width, step)]
 
-    zeros = jnp.zeros((chunk, chunk), f32)
-    block_zeros = jnp.zeros((num_sub, SUB_BLOCK, SUB_BLOCK), f32)
-    # kk and qk hold the pairs across sub-blocks (strictly lower), the blocks those within.
-    kk, qk, diagonal_kk, diagonal_qk = lax.fori_loop(
-        0, head_k // key_split, key_slice, (zeros, zeros, block_zeros, block_zeros))
-    aqk_ref[...] = jnp.where(rows >= cols, qk + widen(diagonal_qk, exact), 0.0).astype(
-        aqk_ref.dtype)
 
-    block_rows = lax.broadcasted_iota(jnp.int32, block_zeros.shape, 1)
-    block_cols = lax.broadcasted_iota(jnp.int32, block_zeros.shape, 2)
-    block_beta = beta.reshape(num_sub, SUB_BLOCK)[:, :, None]
-    diagonal = jnp.where(block_rows > block_cols, diagonal_kk * block_beta, 0.0)
-    diagonal_inverse = widen(nilpotent_inverse(diagonal, SUB_BLOCK, batched_matmul), exact)
-    exact_dot = functools.partial(dot, precision=exact)
-    across = exact_dot(diagonal_inverse, kk * beta[:, None])
-    t_mat = exact_dot(nilpotent_inverse(across, num_sub, exact_dot), diagonal_inverse)
+def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_split: int,
+                scores_num_warps: int, solve_num_warps: int, interpret: bool):
+    """Both per-chunk kernels over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
+    g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]): returns qg, w, kg, u, aqk [HV, NC, C, *]
+    and glast [HV, NC, K] fp32 (each chunk's total log decay)."""
+    num_chunks, C, HV, K = g_c.shape
+    V = v_c.shape[-1]
+    precision = lax.Precision.HIGHEST if v_c.dtype == jnp.float32 else lax.Precision.DEFAULT
+    exact = (lax.Precision.HIGHEST if interpret or v_c.dtype == jnp.float32
+             else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    dot_dtype = jnp.float32 if v_c.dtype == jnp.float32 else jnp.bfloat16
+    squeezed = pl.squeezed
+    gc = jnp.cumsum(g_c, axis=1)
 
-    def solve_slice(s, carry):
-        keys = pl.ds(pl.multiple_of(s * key_split, key_split), key_split)
-        scaled = k_ref[:, keys].astype(f32) * decay(gc_ref[:, keys]) * beta[:, None]
-        w_ref[:, keys] = dot(t_mat, scaled, precision).astype(w_ref.dtype)
-        return carry
+    def chunk_spec(width, head_of):
+        return pl.BlockSpec((squeezed, C, squeezed, width),
+                            lambda c, h, *_: (c, 0, head_of(h), 0))
 
-    lax.fori_loop(0, head_k // key_split, solve_slice, 0)
-    u_ref[...] = dot(t_mat, v_ref[...].astype(f32) * beta[:, None], precision).astype(
-        u_ref.dtype)
+    def shared_head(h):
+        return h // group
+
+    def own_head(h):
+        return h
+
+    def chunked(width, dtype=dot_dtype):
+        return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dtype)
+
+    beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h, *_: (c, 0, h))
+    parts, aqk = pl.pallas_call(
+        functools.partial(scores_kernel, scale=scale, key_split=min(key_split, K),
+                          precision=precision, exact=exact),
+        grid=(num_chunks, HV, C // SUB_BLOCK),
+        in_specs=[chunk_spec(K, shared_head), chunk_spec(K, shared_head),
+                  chunk_spec(K, own_head), beta_spec],
+        out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
+                                lambda c, h, b: (h, c, b, 0))] * 2,
+        out_shape=[chunked(C, jnp.float32), chunked(C)],
+        compiler_params=pallas_backend.compiler_params(num_warps=scores_num_warps,
+                                                       num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_scores",
+    )(q_c, k_c, gc, beta_c)
+
+    def out_spec(width):
+        return pl.BlockSpec((squeezed, squeezed, C, width), lambda c, h: (h, c, 0, 0))
+
+    qg, w, kg, u = pl.pallas_call(
+        functools.partial(solve_kernel, scale=scale, precision=precision, exact=exact),
+        grid=(num_chunks, HV),
+        in_specs=[chunk_spec(K, shared_head), chunk_spec(K, shared_head),
+                  chunk_spec(V, own_head), chunk_spec(K, own_head), beta_spec, out_spec(C)],
+        out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V)],
+        out_shape=[chunked(K), chunked(K), chunked(K), chunked(V)],
+        compiler_params=pallas_backend.compiler_params(num_warps=solve_num_warps,
+                                                       num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_solve",
+    )(q_c, k_c, v_c, gc, beta_c, parts)
+    return qg, w, kg, u, aqk, jnp.transpose(gc[:, -1], (1, 0, 2))
