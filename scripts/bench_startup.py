@@ -33,6 +33,8 @@ Invariants:
     python scripts/bench_startup.py --tiny                        # CPU smoke test, tiny shapes
     python scripts/bench_startup.py --cases smollm2 --random-weights --server-ladder 2048
                                         # the server's default ladders up to 2048 tokens a step
+    python scripts/bench_startup.py --cases smollm2 --inline-prefill-attention
+                                        # prefill encoders with attention inside
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
             model=args.model, prefill_graph_max_tokens=args.server_ladder,
             chunked_prefill_size=args.server_ladder, max_model_len=4096, num_pages=1024,
             page_size=PAGE_SIZE, compile_progress=False, compile_cache_dir=cache_dir,
-            dtype=_dtype(args))
+            dtype=_dtype(args), inline_prefill_attention=args.inline_prefill_attention)
     if args.tiny:
         sizes = {"tokens": (16,), "prefill_bs": (1, 2), "decode": (1, 2), "max_len": 64,
                  "pages": 8}
@@ -112,7 +114,8 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
         decode_graph_capture_batch_sizes=sizes["decode"], decode_graph_max_bs=max(sizes["decode"]),
         max_num_seqs=max(sizes["decode"]), max_model_len=sizes["max_len"],
         num_pages=sizes["pages"], page_size=PAGE_SIZE, compile_progress=False,
-        compile_cache_dir=cache_dir, dtype=_dtype(args))
+        compile_cache_dir=cache_dir, dtype=_dtype(args),
+        inline_prefill_attention=args.inline_prefill_attention)
 
 
 def _engine(config):
@@ -283,6 +286,7 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
     command = [sys.executable, __file__, "--child", "--case", case, "--cache-dir", str(cache_dir)]
     command += ["--tiny"] * args.tiny + ["--random-weights"] * args.random_weights
     command += ["--server-ladder", str(args.server_ladder)] * bool(args.server_ladder)
+    command += ["--inline-prefill-attention"] * args.inline_prefill_attention
     command += ["--model", str(model_dir)] * (model_dir is not None)
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -347,6 +351,8 @@ def main() -> None:
     parser.add_argument("--server-ladder", type=int, metavar="TOKENS",
                         help="the server's default bucket ladders up to TOKENS per prefill step "
                              "(instead of 3 token buckets), for a start-up like the server's")
+    parser.add_argument("--inline-prefill-attention", action="store_true",
+                        help="prefill encoders with attention inside (EngineConfig's option)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
@@ -364,6 +370,7 @@ def main() -> None:
         device = jax.devices()[0]
         meta = {"device": device.device_kind, "platform": device.platform,
                 "jax": jax.__version__, "tiny": args.tiny, "server_ladder": args.server_ladder,
+                "inline_prefill_attention": args.inline_prefill_attention,
                 "xla_flags": os.environ.get("XLA_FLAGS")}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
