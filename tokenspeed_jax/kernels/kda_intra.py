@@ -14,10 +14,11 @@ the outputs.
 Invariants:
 - Every exponent is <= 0, so g down to -100 (and far below) underflows to 0 and never overflows.
   A pair (i, j) with j in an earlier 16-row block than i meets through the first row r of i's
-  block, exp(gc_i - gc_r) * exp(gc_r - gc_j): one dot over the whole key axis per block. A pair
-  inside a block gets its exact pairwise decay exp(min(gc_i - gc_j, 0)) (the clamp only touches
-  pairs j > i, which the masks drop), as a broadcast product over [key_split, 16, 16] per slice
-  of `key_split` keys, reduced over its leading (in-thread) axis.
+  block, exp(gc_i - gc_r) * exp(gc_r - gc_j): one dot per 64-key slice. A pair inside a block
+  gets its exact pairwise decay exp(min(gc_i - gc_j, 0)) (the clamp only touches pairs j > i,
+  which the masks drop), as a broadcast product over [key_split, 16, 16] per slice of
+  `key_split` keys, reduced over its leading (in-thread) axis. Those slices run in a
+  `fori_loop`: unrolled, the compiler hoists every slice's loads and the kernel spills.
 - Programs are small on purpose: a program holds one row block's products or one chunk's
   solve, so an SM holds several and their memory waits overlap.
 - The scores kernel writes each row block twice without overlap: the columns of other blocks
