@@ -188,6 +188,37 @@ def test_block_pairs_match_pairwise_sums_under_strong_decay():
     np.testing.assert_allclose(got_qk, np.sum(q[i] * k[j] * decay, -1), rtol=1e-5, atol=1e-5)
 
 
+def test_per_chunk_kernels_match_numpy_under_strong_decay():
+    """Both per-chunk kernels against float64 numpy: the query-key matrix, and w and u through
+    the inverse, with steps of -100 inside and across 16-row blocks and two 64-key slices."""
+    rng = np.random.default_rng(11)
+    chunk, width, scale = 64, 128, 0.3
+    q, k = rng.standard_normal((2, 1, chunk, 1, width))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((1, chunk, 1, width))
+    g = -rng.uniform(0.0, 1.0, (1, chunk, 1, width))
+    g[0, [2, 9, 21, 40], 0, :] = -100.0
+    beta = rng.uniform(0.05, 1.0, (1, chunk, 1))
+    qg, w, kg, u, aqk, glast = kda_intra.intra_stage(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), group=1, scale=scale,
+        key_split=8, scores_num_warps=4, solve_num_warps=4, interpret=True)
+    assert all(np.all(np.isfinite(x)) for x in (qg, w, kg, u, aqk))
+
+    gc = np.cumsum(g[0, :, 0], axis=0)
+    qs, ks = q[0, :, 0], k[0, :, 0]
+    i, j = np.arange(chunk)[:, None], np.arange(chunk)[None, :]
+    decay = np.exp(np.where((i >= j)[:, :, None], gc[:, None, :] - gc[None, :, :], -np.inf))
+    np.testing.assert_allclose(aqk[0, 0], scale * np.einsum("id,jd,ijd->ij", qs, ks, decay),
+                               rtol=1e-5, atol=1e-5)
+    b = beta[0, :, 0][:, None]
+    kk = np.einsum("id,jd,ijd->ij", ks, ks, decay) * (i > j)
+    t_mat = np.linalg.inv(np.eye(chunk) + b * kk)
+    np.testing.assert_allclose(u[0, 0], t_mat @ (b * v[0, :, 0]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(w[0, 0], t_mat @ (b * np.exp(gc) * ks), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(kg[0, 0], ks * np.exp(gc[-1] - gc), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(glast[0, 0], gc[-1], rtol=1e-5)
+
+
 @pytest.mark.parametrize("key_split", [8, 16, 32])
 def test_per_chunk_kernels_match_reference_with_split_keys(key_split):
     rng = np.random.default_rng(8)
