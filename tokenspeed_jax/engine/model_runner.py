@@ -295,24 +295,37 @@ class ModelRunner:
         """One decode step: the in-step sampler's rows, the logits (for ``resample``), the token
         board, caches. A row with ``token_rows >= 0`` reads its input token from the board the
         previous decode step wrote."""
-        outer_state, layer_states = params
+        outer_state = params[0]
         meta = packed.unpack()
         *caches, board = values
-        k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
         positions, slots = meta["positions"], meta["slot_mapping"]
+
+        def attend(q, k, v, k_pages, v_pages):
+            k_pages, v_pages = write_kv(k_pages, k, slots), write_kv(v_pages, v, slots)
+            attn = paged_decode_attention(q, k_pages, v_pages, meta["page_tables"], positions,
+                                          scale=self.scale, kernel=self.decode_kernel)
+            return attn, k_pages, v_pages
+
         token_ids = read_tokens(meta["token_ids"], meta["token_rows"], board)
+        hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend)
+        logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
+        sampled = fast_sample(unpack_sampling(meta), logits)
+        return (sampled, logits, write_board(board, sampled), *caches)
+
+    def _every_layer(self, params: Any, token_ids: jax.Array, positions: jax.Array,
+                     caches: Sequence[jax.Array], attend) -> tuple:
+        """Embed, then every layer with its attention inside, ``attend(q, k, v, k_pages,
+        v_pages) -> (attn, k_pages, v_pages)``: the hidden states and the written caches (the
+        K caches, then the V caches)."""
+        outer_state, layer_states = params
+        k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
         hidden = self._outer(outer_state).embed(token_ids)
         for i, state in enumerate(layer_states):
             layer = self._layer(state)
             q, k, v = layer.attention_inputs(hidden, positions)
-            k_all[i] = write_kv(k_all[i], k, slots)
-            v_all[i] = write_kv(v_all[i], v, slots)
-            attn = paged_decode_attention(q, k_all[i], v_all[i], meta["page_tables"], positions,
-                                          scale=self.scale, kernel=self.decode_kernel)
+            attn, k_all[i], v_all[i] = attend(q, k, v, k_all[i], v_all[i])
             hidden = layer.attention_outputs(hidden, attn)
-        logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
-        sampled = fast_sample(unpack_sampling(meta), logits)
-        return (sampled, logits, write_board(board, sampled), *k_all, *v_all)
+        return (hidden, *k_all, *v_all)
 
     # ----------------------------------------------------------------- plans
 
@@ -323,16 +336,11 @@ class ModelRunner:
     def _inline_encoder(self, params: Any, packed: Packed, token_ids: jax.Array,
                         positions: jax.Array, *caches: jax.Array) -> tuple:
         """The whole encoder with attention inside: hidden states and the written caches."""
-        outer_state, layer_states = params
-        k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
-        hidden = self._outer(outer_state).embed(token_ids)
-        for i, state in enumerate(layer_states):
-            layer = self._layer(state)
-            q, k, v = layer.attention_inputs(hidden, positions)
-            attn, k_all[i], v_all[i] = self._attention((), packed, q, k, v, positions,
-                                                       k_all[i], v_all[i])
-            hidden = layer.attention_outputs(hidden, attn)
-        return (hidden, *k_all, *v_all)
+
+        def attend(q, k, v, k_pages, v_pages):
+            return self._attention((), packed, q, k, v, positions, k_pages, v_pages)
+
+        return self._every_layer(params, token_ids, positions, caches, attend)
 
     def _segmented_encoder(self, k_names: list[str], v_names: list[str]) -> list[Call]:
         """The encoder's calls: segments between layers, an attention break per layer."""
