@@ -3,10 +3,10 @@
 The function is the one `kda_ref` defines (token recurrence with per-channel decay and a delta
 rule). Prefill runs in two stages over 64-token chunks:
 
-1. `intra_stage` (the scores and solve kernels in `kda_intra`), all chunks in parallel: the
-   in-chunk part of the WY/UT transform, which does not depend on the state. It builds the
-   strictly lower key-key matrix L and the causal query-key matrix, inverts (I + L), and writes
-   w, u, decayed q and k and the query-key matrix.
+1. `intra_stage` (the cumsum, scores and solve kernels in `kda_intra`), all chunks in
+   parallel: the in-chunk part of the WY/UT transform, which does not depend on the state. It
+   builds the strictly lower key-key matrix L and the causal query-key matrix, inverts (I + L),
+   and writes w, u, decayed q and k and the query-key matrix.
 2. `scan_stage` (`_state_scan_kernel`), one program per (request, value head, block of V): walks
    the request's chunks in order, carrying the [K, block_v] fp32 state, and writes the output.
 
@@ -82,7 +82,7 @@ def _state_scan_kernel(
     aqk_ref,  # [HV, NC, C, C]
     glast_ref,  # [HV, NC, K] fp32, each chunk's total log decay
     pool_ref,  # [P, HV, K, V] fp32, aliased with pool_out_ref
-    o_ref,  # [HV, NC, C, V]
+    o_ref,  # [NC, C, HV, V]: token rows in chunk order, heads inside each row
     pool_out_ref,  # [P, HV, K, V] fp32
     *,
     block_v: int,
@@ -108,7 +108,7 @@ def _state_scan_kernel(
         v_new_in = v_new.astype(dot_dtype)
         out = dot(qg_ref[head, c], state_in, precision) + dot(aqk_ref[head, c], v_new_in,
                                                                   precision)
-        o_ref[head, c, :, cols] = out.astype(o_ref.dtype)
+        o_ref[c, :, head, cols] = out.astype(o_ref.dtype)
         chunk_decay = jnp.exp(glast_ref[head, c, :])
         return state * chunk_decay[:, None] + dot_tn(kg_ref[head, c], v_new_in, precision)
 
@@ -151,7 +151,7 @@ def _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoin
 
 def scan_stage(table, qg, w, kg, u, aqk, glast, state_pool, *, out_dtype, config: ChunkConfig,
                interpret: bool):
-    """The sequential state scan over the per-chunk outputs: returns (o [HV, NC, C, V] in
+    """The sequential state scan over the per-chunk outputs: returns (o [NC, C, HV, V] in
     out_dtype, updated pool)."""
     HV, num_chunks, C, V = u.shape
     block_v = min(config.block_v, V)
@@ -159,7 +159,7 @@ def scan_stage(table, qg, w, kg, u, aqk, glast, state_pool, *, out_dtype, config
     return pl.pallas_call(
         functools.partial(_state_scan_kernel, block_v=block_v, precision=precision),
         grid=(table.shape[0], HV, V // block_v),
-        out_shape=[jax.ShapeDtypeStruct((HV, num_chunks, C, V), out_dtype),
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, C, HV, V), out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={7: 1},
         compiler_params=pallas_backend.compiler_params(
@@ -255,7 +255,7 @@ def chunk_kda_prefill(
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
     o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,
                                  config=config, interpret=interpret)
-    o_rows = jnp.transpose(o_c, (1, 2, 0, 3)).reshape(num_chunks * CHUNK_SIZE, HV, V)
+    o_rows = o_c.reshape(num_chunks * CHUNK_SIZE, HV, V)
     o = jnp.take(o_rows, row_of_token, axis=0, mode="fill", fill_value=0)
     return o, state_pool
 

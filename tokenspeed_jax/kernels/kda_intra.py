@@ -1,6 +1,7 @@
-"""The per-chunk half of KDA's chunked prefill: two Pallas kernels over 64-token chunks.
+"""The per-chunk half of KDA's chunked prefill: three Pallas kernels over 64-token chunks.
 
-For one chunk and value head, with gc the in-chunk cumulative log gate, let
+The cumsum kernel, one program per (chunk, value head), writes gc, the in-chunk cumulative log
+gate, which the other two read. For one chunk and value head, let
 kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
 diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
 M = (I + D)^-1 E. The scores kernel, one program per (chunk, value head, 16-row block), forms
@@ -27,6 +28,9 @@ Invariants:
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
   squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
+- gc is formed once, by its own kernel: XLA's cumsum (an associative scan that fuses with the
+  chunk gather and recomputes) cost more than both other kernels' loads of gc, and a scan inside
+  the scores and solve kernels slowed them by half.
 """
 
 from __future__ import annotations
@@ -75,6 +79,11 @@ def block_pairs(q, k, gc):
     q, k, gc = q.T, k.T, gc.T
     decayed = k[:, :, None] * decay(jnp.minimum(gc[:, None, :] - gc[:, :, None], 0.0))
     return tuple(jnp.sum(x[:, None, :] * decayed, axis=0) for x in (k, q))
+
+
+def cumsum_kernel(g_ref, gc_ref):
+    """gc = the cumulative sum of g ([C, K] fp32 log decay) over the chunk's rows."""
+    gc_ref[...] = jnp.cumsum(g_ref[...], axis=0)
 
 
 def scores_kernel(
@@ -188,7 +197,6 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_spl
              else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
     dot_dtype = jnp.float32 if v_c.dtype == jnp.float32 else jnp.bfloat16
     squeezed = pl.squeezed
-    gc = jnp.cumsum(g_c, axis=1)
 
     def chunk_spec(width, head_of):
         return pl.BlockSpec((squeezed, C, squeezed, width),
@@ -204,6 +212,16 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_spl
         return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dtype)
 
     beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h, *_: (c, 0, h))
+    gc = pl.pallas_call(
+        cumsum_kernel,
+        grid=(num_chunks, HV),
+        in_specs=[chunk_spec(K, own_head)],
+        out_specs=chunk_spec(K, own_head),
+        out_shape=jax.ShapeDtypeStruct(g_c.shape, jnp.float32),
+        compiler_params=pallas_backend.compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_cumsum",
+    )(g_c)
     parts, aqk = pl.pallas_call(
         functools.partial(scores_kernel, scale=scale, key_split=min(key_split, K),
                           precision=precision, exact=exact),
