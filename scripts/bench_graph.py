@@ -8,7 +8,8 @@ Measures, for one model, and prints one table (and writes it as JSON with --out)
 * decode step time (ms) at each --decode-batches size, a whole ``ModelRunner.step`` (host
   metadata, the compiled step with attention and sampler inside, fetching the tokens), and
   the mean step of steps run ahead as the engine's overlap schedule runs them (each launched
-  before the previous step's tokens are fetched);
+  before the previous step's tokens are fetched); both again with ``fused_decode_attention``
+  where the fused kernel runs (a GPU), side by side in the same run;
 * host time per segment dispatch (us): the enqueue time of the prefill plan over its calls,
   and a tiny executable called through ``Compiled.__call__`` and through the raw executable;
 * with --host-breakdown, only the parts of one decode step's host time (us) at each batch:
@@ -44,6 +45,7 @@ from tokenspeed_jax.engine.sampler import SamplingArrays
 from tokenspeed_jax.engine.sampling_plans import fetch_sampled, step_output
 from tokenspeed_jax.graph import run_eager, whole_forward
 from tokenspeed_jax.graph.guard import allowed
+from tokenspeed_jax.kernels.paged_attention_backend import FUSED, choose_decode_kernel
 from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -157,12 +159,14 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
     return rows, dispatch
 
 
-def decode_runner(model, batches: list[int], context: int) -> ModelRunner:
-    """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens."""
+def decode_runner(model, batches: list[int], context: int, fused: bool = False) -> ModelRunner:
+    """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens
+    (with ``fused``, on the fused decode attention kernel)."""
     top = max(batches)
     config = EngineConfig(
         prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
-        decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE)
+        decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE,
+        fused_decode_attention=fused)
     runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
                          page_size=PAGE_SIZE)
     print(runner.compile_all().table())
@@ -197,18 +201,27 @@ def run_ahead_steps(runner, requests: list[StepRequest], steps: int) -> None:
 
 def bench_decode(model, batches: list[int], context: int, iters: int) -> list[dict]:
     """Per batch: a whole ``ModelRunner.step`` (median), and the mean step of a run of steps
-    that each launch before the previous one's tokens are fetched (``run_ahead_steps``)."""
-    runner = decode_runner(model, batches, context)
+    that each launch before the previous one's tokens are fetched (``run_ahead_steps``); the
+    same on the fused decode attention kernel where it runs (None elsewhere)."""
+    runners = {"": decode_runner(model, batches, context)}
+    if choose_decode_kernel(head_dim=model.config.head_dim, page_size=PAGE_SIZE,
+                            dtype=model.dtype, fused=True).backend == FUSED:
+        runners["fused_"] = decode_runner(model, batches, context, fused=True)
     rows = []
     ahead_steps = 5 * iters
     for batch in batches:
         requests = decode_requests(batch, context)
         step = StepBatch(requests)
-        seconds = timed(lambda step=step: runner.step(step), iters, warmup=2)
-        ahead = timed(lambda r=requests: run_ahead_steps(runner, r, ahead_steps), 1)
-        rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3,
-                     "run_ahead_step_ms": ahead / ahead_steps * 1e3})
-    assert runner.stats()["runtime_compiles"] == 0
+        row = {"batch": batch, "context": context, "fused_step_ms": None,
+               "fused_run_ahead_step_ms": None}
+        for prefix, runner in runners.items():
+            seconds = timed(lambda step=step, runner=runner: runner.step(step), iters, warmup=2)
+            ahead = timed(lambda r=requests, runner=runner: run_ahead_steps(runner, r,
+                                                                            ahead_steps), 1)
+            row[f"{prefix}step_ms"] = seconds * 1e3
+            row[f"{prefix}run_ahead_step_ms"] = ahead / ahead_steps * 1e3
+        rows.append(row)
+    assert all(runner.stats()["runtime_compiles"] == 0 for runner in runners.values())
     return rows
 
 
@@ -328,10 +341,12 @@ def main() -> None:
               f"{r['whole_jit_tok_s']:>16.0f} {r['eager_tok_s']:>12.0f} "
               f"{r['segmented_vs_jit']:>12.3f} {r['inline_vs_jit']:>15.3f} "
               f"{r['full_step_ms']:>12.2f}")
-    print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16}   "
-          f"(context {args.decode_context})")
+    print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16} {'fused step ms':>16} "
+          f"{'fused ahead ms':>16}   (context {args.decode_context})")
     for r in decode:
-        print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}")
+        fused = "".join(" " * 12 + "-   " if r[name] is None else f"{r[name]:>17.3f}"
+                        for name in ("fused_step_ms", "fused_run_ahead_step_ms"))
+        print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}{fused}")
     print(f"{'plan tokens':>14} {'calls':>16} {'host us / call':>16}")
     for r in dispatch:
         print(f"{r['tokens']:>14} {r['calls']:>16} {r['host_us_per_call']:>16.1f}")

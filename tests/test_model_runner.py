@@ -20,7 +20,7 @@ from tokenspeed_jax.engine import model_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.model_runner import ModelRunner, split_requests
 from tokenspeed_jax.graph import CompileError
-from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, DecodeKernel
+from tokenspeed_jax.kernels.paged_attention_backend import FUSED, PALLAS, DecodeKernel
 from tokenspeed_jax.kernels.paged_prefill_attention import PrefillBlocks, PrefillKernel
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
 from tokenspeed_jax.reference import ReferenceGenerator
@@ -421,10 +421,13 @@ def test_sampling_tiers_match_reference_generator(model, runner, truncated):
     assert after["runtime_compiles"] == 0
 
 
-def test_pallas_decode_kernel_in_the_runner_matches_reference(model, monkeypatch):
-    """The decode executable built on the Pallas op (interpreted on the CPU) over the
-    ``[Hkv, pages, page_size, Dh]`` cache gives the reference forward's tokens."""
-    kernel = DecodeKernel(PALLAS, pages_per_compute_block=2, k_splits=2, interpret=True)
+@pytest.mark.parametrize("kernel", [
+    DecodeKernel(PALLAS, pages_per_compute_block=2, k_splits=2, interpret=True),
+    DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=1, interpret=True),
+], ids=["op", "fused"])
+def test_pallas_decode_kernel_in_the_runner_matches_reference(model, monkeypatch, kernel):
+    """The decode executable built on the Pallas op or the fused kernel (interpreted on the CPU)
+    over the ``[Hkv, pages, page_size, Dh]`` cache gives the reference forward's tokens."""
     monkeypatch.setattr(model_runner, "choose_decode_kernel", lambda **_: kernel)
     config = dataclasses.replace(ENGINE, decode_graph_capture_batch_sizes=(2,))
     runner = ModelRunner(model, config, 64, PAGE)

@@ -51,6 +51,9 @@ class EngineConfig:
     # attention at breaks: 2 host calls per prefill step instead of 2 x layers + 1, for models
     # whose prefill is dispatch-bound; the whole forward compiles per bucket (Llama-family models).
     inline_prefill_attention: bool = False
+    # Decode attention on a GPU as one Pallas kernel per layer that also writes the step's K/V
+    # (``kernels/paged_decode.py``), instead of two scatters and JAX's paged-attention op.
+    fused_decode_attention: bool = False
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
     # Keep compiled executables on disk and load them on the next start instead of compiling.

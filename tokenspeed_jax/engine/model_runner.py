@@ -11,7 +11,8 @@ Routes, chosen per step from static configuration and the step's sizes:
   step's board when ``StepRequest.token_row`` asks: so ``launch`` can leave a decode step
   running, and the engine can launch the next one before the tokens reach the host.
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the
-  Pallas op on a GPU), so its cost follows the live context, not ``max_model_len``.
+  Pallas op on a GPU, or with ``fused_decode_attention`` the kernel that also writes the step's
+  K/V), so its cost follows the live context, not ``max_model_len``.
 * **Mixed steps** (some requests decode, others prefill) run as two: the decode rows on the
   decode graph and the rest on the prefill graph, the sampled rows joined back in batch order
   (counted as ``mixed_splits``). On the prefill graph alone, every decode row would cost a
@@ -102,7 +103,7 @@ from tokenspeed_jax.graph import (
 )
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
-from tokenspeed_jax.kernels.attention import paged_decode_attention, write_kv
+from tokenspeed_jax.kernels.attention import decode_attention_step, write_kv
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, choose_decode_kernel
 from tokenspeed_jax.kernels.paged_prefill_attention import (
     choose_prefill_kernel,
@@ -231,7 +232,7 @@ class ModelRunner:
         self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         self.decode_kernel = choose_decode_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
-            num_kv_heads=cfg.num_key_value_heads)
+            num_kv_heads=cfg.num_key_value_heads, fused=config.fused_decode_attention)
         self.prefill_kernel = choose_prefill_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
             num_kv_heads=cfg.num_key_value_heads)
@@ -301,10 +302,9 @@ class ModelRunner:
         positions, slots = meta["positions"], meta["slot_mapping"]
 
         def attend(q, k, v, k_pages, v_pages):
-            k_pages, v_pages = write_kv(k_pages, k, slots), write_kv(v_pages, v, slots)
-            attn = paged_decode_attention(q, k_pages, v_pages, meta["page_tables"], positions,
-                                          scale=self.scale, kernel=self.decode_kernel)
-            return attn, k_pages, v_pages
+            return decode_attention_step(q, k, v, k_pages, v_pages, meta["page_tables"],
+                                         positions, slots, scale=self.scale,
+                                         kernel=self.decode_kernel)
 
         token_ids = read_tokens(meta["token_ids"], meta["token_rows"], board)
         hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend)

@@ -7,8 +7,14 @@ through (``HIGHEST`` keeps fp32 operands exact).
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+LOG2E = math.log2(math.e)  # attention scores are taken in base 2: exp(x) = exp2(x * log2(e))
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: an all-masked block makes no NaN
 
 
 def dot(a, b, precision):
@@ -31,3 +37,23 @@ def dot_tn(a, b, precision):
 def is_power_of_2(value: int) -> bool:
     """Whether ``value`` is 1, 2, 4, ... (Triton blocks must be powers of two)."""
     return value >= 1 and value & (value - 1) == 0
+
+
+def online_softmax_step(q, k_pages_ref, v_pages_ref, pages, visible, carry, *, scale: float,
+                        precision):
+    """One key block of flash attention read through a page table: the keys and values of
+    ``pages`` (i32[pages_per_block] ids into ``[num_pages, page_size, Dh]`` refs) against the
+    query rows ``q [rows, Dh]``, where ``visible [rows, block_k]``. ``carry`` is (unnormalised
+    output [rows, Dh], running maximum, running sum [rows]) in base 2 (scores times log2(e)); a
+    masked score is ``MASK_VALUE``, finite, so a row that sees nothing stays NaN-free."""
+    acc, row_max, row_sum = carry
+    block_k, head_dim = pages.shape[0] * k_pages_ref.shape[1], k_pages_ref.shape[-1]
+    k = k_pages_ref[pages].reshape(block_k, head_dim)
+    v = v_pages_ref[pages].reshape(block_k, head_dim)
+    scores = jnp.where(visible, dot_nt(q, k, precision) * (scale * LOG2E), MASK_VALUE)
+    new_max = jnp.maximum(row_max, scores.max(axis=1))
+    correction = jnp.exp2(row_max - new_max)
+    weights = jnp.exp2(scores - new_max[:, None])
+    row_sum = row_sum * correction + weights.sum(axis=1)
+    acc = acc * correction[:, None] + dot(weights.astype(v.dtype), v, precision)
+    return acc, new_max, row_sum

@@ -3,8 +3,10 @@
 On a GPU, decode attention is JAX's own Pallas op
 ``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention``: it walks each request's page
 table only up to the request's length, so a decode step costs what the live contexts hold, not
-``max_model_len``. Elsewhere (the CPU) it is the plain-JAX reference in ``attention.py``.
-Invariants:
+``max_model_len``. Asked for (``fused=True``), it is instead our own kernel
+(``paged_decode.fused_paged_decode``), which also writes the step's K/V: one kernel per layer
+where the op's route takes about six. Elsewhere (the CPU) it is the plain-JAX reference in
+``attention.py``. Invariants:
 
 * The choice is static: ``choose_decode_kernel`` decides once, from the platform, the head size,
   the page size and the cache dtype, and the runner compiles that choice in. A shape the op cannot
@@ -47,6 +49,7 @@ else:
 logger = logging.getLogger(__name__)
 
 PALLAS = "pallas"
+FUSED = "fused"
 REFERENCE = "reference"
 PALLAS_DTYPES = ("bfloat16", "float16", "float32")
 MIN_DOT_DIM = 16  # Triton's dot needs every operand dimension >= 16
@@ -54,7 +57,8 @@ MIN_DOT_DIM = 16  # Triton's dot needs every operand dimension >= 16
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKernel:
-    """How decode attention runs: the backend and the Pallas op's tuning knobs."""
+    """How decode attention runs: the backend and its Pallas kernel's tuning knobs (the op's
+    and the fused kernel's have the same meaning)."""
 
     backend: str = REFERENCE
     block_h: int = 16  # query heads per program; the op requires a multiple of 16
@@ -67,8 +71,9 @@ class DecodeKernel:
     mesh: Mesh | None = None  # run the op per shard of the KV heads over this mesh
 
     def __post_init__(self) -> None:
-        if self.backend not in (PALLAS, REFERENCE):
-            raise ValueError(f"backend={self.backend!r} must be {PALLAS!r} or {REFERENCE!r}")
+        if self.backend not in (PALLAS, FUSED, REFERENCE):
+            raise ValueError(f"backend={self.backend!r} must be {PALLAS!r}, {FUSED!r} or "
+                             f"{REFERENCE!r}")
         if self.block_h % 16:
             raise ValueError(f"block_h={self.block_h} must be a multiple of 16")
         if not is_power_of_2(self.pages_per_compute_block) or self.k_splits < 1:
@@ -77,6 +82,8 @@ class DecodeKernel:
 
 
 REFERENCE_KERNEL = DecodeKernel(REFERENCE)
+# The fused kernel's knobs: no key splits (each split beyond one costs a merge op per layer).
+FUSED_KERNEL = DecodeKernel(FUSED, pages_per_compute_block=4, k_splits=1)
 
 
 def pallas_unsupported_reason(*, head_dim: int, page_size: int, dtype: jnp.dtype,
@@ -142,17 +149,20 @@ def pallas_runs(shape_problem: str | None, *, platform: str | None, mesh: Mesh |
 
 def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
                          platform: str | None = None, mesh: Mesh | None = None,
-                         num_kv_heads: int = 1) -> DecodeKernel:
-    """The decode kernel for this platform (default: JAX's default backend) and cache shape.
+                         num_kv_heads: int = 1, fused: bool = False) -> DecodeKernel:
+    """The decode kernel for this platform (default: JAX's default backend) and cache shape:
+    the fused kernel with ``fused``, else JAX's op.
 
-    With a ``mesh`` (the cache split by KV head over it) the op runs per shard; a cache that
+    With a ``mesh`` (the cache split by KV head over it) the kernel runs per shard; a cache that
     replicates its ``num_kv_heads`` over more devices takes the reference (module docstring).
     """
-    problem = pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
+    chosen = FUSED_KERNEL if fused else DecodeKernel(PALLAS)
+    problem = pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype,
+                                        kernel=chosen)
     if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
                        log=_log_reference_once):
         return REFERENCE_KERNEL
-    return DecodeKernel(PALLAS, mesh=mesh)
+    return dataclasses.replace(chosen, mesh=mesh)
 
 
 @functools.cache

@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +52,7 @@ from jax.sharding import Mesh
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.attention import gather_slots
 from tokenspeed_jax.kernels.attention_ref import HIGHEST
-from tokenspeed_jax.kernels.kernel_math import dot, dot_nt, is_power_of_2
+from tokenspeed_jax.kernels.kernel_math import MASK_VALUE, is_power_of_2, online_softmax_step
 from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
@@ -65,8 +64,6 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
 
 logger = logging.getLogger(__name__)
 
-LOG2E = math.log2(math.e)  # scores are taken in base 2: exp(x) = exp2(x * log2(e))
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: an all-masked block makes no NaN
 REFERENCE_CHUNK_SLOTS = 256  # key slots per step of the reference's loop over a row's pages
 WORK_FIELDS = 4  # row, first token, end token, live keys
 
@@ -178,19 +175,11 @@ def _prefill_kernel(
     table_row = jnp.maximum(row, 0)
 
     def key_block(index, carry):
-        acc, row_max, row_sum = carry
         pages = page_tables_ref[table_row, pl.ds(index * pages_per_block, pages_per_block)]
-        k = k_pages_ref[pages].reshape(block_k, head_dim)
-        v = v_pages_ref[pages].reshape(block_k, head_dim)
-        scores = dot_nt(q, k, precision) * (scale * LOG2E)  # [block_q, block_k]
         key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-        scores = jnp.where(key_pos <= query_pos[:, None], scores, MASK_VALUE)
-        new_max = jnp.maximum(row_max, scores.max(axis=1))
-        correction = jnp.exp2(row_max - new_max)
-        weights = jnp.exp2(scores - new_max[:, None])
-        row_sum = row_sum * correction + weights.sum(axis=1)
-        acc = acc * correction[:, None] + dot(weights.astype(v.dtype), v, precision)
-        return acc, new_max, row_sum
+        return online_softmax_step(q, k_pages_ref, v_pages_ref, pages,
+                                   key_pos <= query_pos[:, None], carry, scale=scale,
+                                   precision=precision)
 
     init = (jnp.zeros((block_q, head_dim), jnp.float32),
             jnp.full((block_q,), -jnp.inf, jnp.float32),

@@ -1,0 +1,181 @@
+"""Fused paged decode attention: one Pallas kernel per layer writes the step's K/V into the paged
+cache and attends each request's single query over its pages.
+
+The unfused route (``attention.write_kv`` twice, then JAX's paged-attention op, which pads the
+query heads and merges its key splits in separate ops) launches about six kernels per layer for
+this; a decode step is one CUDA graph whose launch time grows with its kernel count. Layouts are
+``attention.py``'s: pages ``[Hkv, num_pages, page_size, Dh]``, one query per request
+``q [B, Hq, Dh]``, the step's ``k, v [B, Hkv, Dh]``. The plain-JAX reference is that unfused
+route with the reference attention (``attention.paged_decode_attention_reference``).
+
+Invariants:
+
+* A request's new K/V go to page ``page_tables[b, pos // page_size]``, row ``pos % page_size``:
+  the slot the page table gives its position, the slot ``write_kv`` is handed. A request with
+  position < 0 is padding: it writes nothing and gets zeros.
+* Reads and the write never meet: a program reads cached positions 0..pos-1 from the pages and
+  takes the new token's key and value from its inputs, so the in-place write (pages aliased in and
+  out) needs no ordering against any read.
+* One program per (request, KV head, split). Its query heads are the rows of one block: the group,
+  padded to ``block_h`` rows by repeating the group's last head (the repeated rows compute and
+  store identical values to the same addresses).
+* With ``splits`` = 1 the kernel writes the normalised output. With more, the cached positions are
+  cut into that many ranges, split 0 also takes the new token and writes the K/V, and each split
+  writes its unnormalised sums and base-2 running maximum, merged by ``merge_splits``.
+* Scores and softmax run in float32 (exact dots for fp32 caches): the arithmetic of
+  ``attention_ref.masked_attention``, up to summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.attention_ref import HIGHEST
+from tokenspeed_jax.kernels.kernel_math import LOG2E, online_softmax_step
+
+
+def _decode_kernel(
+    positions_ref,  # i32[B]
+    page_tables_ref,  # i32[B, P], P a multiple of pages_per_block
+    q_ref,  # [B, Hq, Dh]
+    k_ref,  # [B, Hkv, Dh]: this step's keys
+    v_ref,  # [B, Hkv, Dh]
+    k_pages_ref,  # [num_pages, page_size, Dh]: this program's KV head, aliased with k_out_ref
+    v_pages_ref,  # [num_pages, page_size, Dh]
+    *out_refs,  # splits == 1: o [B, Hq, Dh]; else acc [S, B, Hq, Dh], max, sum [S, B, Hq];
+    # then k_out_ref, v_out_ref (the pages)
+    scale: float,
+    group: int,
+    block_h: int,
+    pages_per_block: int,
+    splits: int,
+    precision,
+):
+    *result_refs, k_out_ref, v_out_ref = out_refs
+    request, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f32 = jnp.float32
+    head_dim = q_ref.shape[-1]
+    page_size = k_pages_ref.shape[1]
+    block_k = pages_per_block * page_size
+    position = positions_ref[request]
+    cached = jnp.maximum(position, 0)  # keys 0..position-1 come from the pages
+    heads = kv_head * group + jnp.minimum(lax.iota(jnp.int32, block_h), group - 1)
+    q = q_ref[request, heads, :]  # [block_h, Dh]
+    k_new = k_ref[request, kv_head, :]
+    v_new = v_ref[request, kv_head, :]
+
+    takes_new = (split == 0) & (position >= 0)
+    new_score = jnp.sum(q.astype(f32) * k_new.astype(f32)[None, :], axis=1) * (scale * LOG2E)
+    init = (jnp.where(takes_new, jnp.broadcast_to(v_new.astype(f32)[None, :],
+                                                  (block_h, head_dim)), 0.0),
+            jnp.where(takes_new, new_score, -jnp.inf),
+            jnp.where(takes_new, jnp.ones((block_h,), f32), 0.0))
+
+    def key_block(index, carry):
+        pages = page_tables_ref[request, pl.ds(index * pages_per_block, pages_per_block)]
+        key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, (block_h, block_k), 1)
+        return online_softmax_step(q, k_pages_ref, v_pages_ref, pages, key_pos < cached,
+                                   carry, scale=scale, precision=precision)
+
+    num_blocks = pl.cdiv(cached, block_k)
+    per_split = pl.cdiv(num_blocks, splits)
+    first = split * per_split
+    acc, row_max, row_sum = lax.fori_loop(
+        first, jnp.minimum(first + per_split, num_blocks), key_block, init)
+
+    @pl.when(takes_new)
+    def _():
+        page = page_tables_ref[request, position // page_size]
+        row = position % page_size
+        k_out_ref[page, row, :] = k_new.astype(k_out_ref.dtype)
+        v_out_ref[page, row, :] = v_new.astype(v_out_ref.dtype)
+
+    if splits == 1:
+        (o_ref,) = result_refs
+        out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]  # padding rows: 0 / 1
+        o_ref[request, heads, :] = out.astype(o_ref.dtype)
+    else:
+        acc_ref, max_ref, sum_ref = result_refs
+        acc_ref[split, request, heads, :] = acc
+        max_ref[split, request, heads] = row_max
+        sum_ref[split, request, heads] = row_sum
+
+
+def merge_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.Array:
+    """The attention output [B, Hq, Dh] from per-split unnormalised sums acc [S, B, Hq, Dh],
+    base-2 running maxima and sums [S, B, Hq]; rows no split saw (padding) get zeros."""
+    top = jnp.max(row_max, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weight = jnp.exp2(row_max - top)  # a split that saw nothing has -inf: weight 0
+    total = jnp.sum(weight * row_sum, axis=0)
+    out = jnp.sum(weight[..., None] * acc, axis=0)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_h", "pages_per_block", "splits",
+                                             "num_warps", "num_stages", "interpret"))
+def fused_paged_decode(
+    q: jax.Array,  # [B, Hq, Dh]
+    k: jax.Array,  # [B, Hkv, Dh]: this step's keys, one per request
+    v: jax.Array,  # [B, Hkv, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    page_tables: jax.Array,  # i32[B, P]
+    positions: jax.Array,  # i32[B]; < 0 = padding
+    *,
+    scale: float,
+    block_h: int = 16,
+    pages_per_block: int = 4,
+    splits: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(attention [B, Hq, Dh], k_pages, v_pages): the step's K/V written at each request's
+    position and its query over positions 0..position, in one Pallas call (pages in place)."""
+    interpret = pallas_backend.resolve_interpret(interpret)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+    if k.shape != (batch, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must be {(batch, num_kv_heads, head_dim)}")
+    if splits < 1:
+        raise ValueError(f"splits={splits} must be >= 1")
+    group = num_q_heads // num_kv_heads
+    block_h = max(block_h, pl.next_power_of_2(group))
+    width = page_tables.shape[1]
+    tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -width % pages_per_block)))
+    precision = HIGHEST if k_pages.dtype == jnp.float32 else lax.Precision.DEFAULT
+    whole = pl.BlockSpec(memory_space=None)
+    per_kv_head = pl.BlockSpec((pl.squeezed, num_pages, page_size, head_dim),
+                               lambda b, h, s: (h, 0, 0, 0))
+    if splits == 1:
+        results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    else:
+        results = [jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+                   *[jax.ShapeDtypeStruct((splits, batch, num_q_heads), jnp.float32)] * 2]
+    kernel = functools.partial(_decode_kernel, scale=scale, group=group, block_h=block_h,
+                               pages_per_block=pages_per_block, splits=splits,
+                               precision=precision)
+    *out, k_pages, v_pages = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, splits),
+        in_specs=[whole] * 5 + [per_kv_head] * 2,
+        out_specs=[whole] * len(results) + [per_kv_head] * 2,
+        out_shape=[*results, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={5: len(results), 6: len(results) + 1},
+        compiler_params=pallas_backend.compiler_params(num_warps=num_warps,
+                                                       num_stages=num_stages),
+        interpret=interpret,
+        name="fused_paged_decode",
+    )(positions.astype(jnp.int32), tables, q, k, v, k_pages, v_pages)
+    attention = out[0] if splits == 1 else merge_splits(*out).astype(q.dtype)
+    return attention, k_pages, v_pages
