@@ -159,16 +159,19 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
     return rows, dispatch
 
 
-def decode_runner(model, batches: list[int], context: int, fused: bool = False) -> ModelRunner:
+def decode_runner(model, batches: list[int], context: int,
+                  fused_splits: int | None = None) -> ModelRunner:
     """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens
-    (with ``fused``, on the fused decode attention kernel)."""
+    (with ``fused_splits``, on the fused decode attention kernel with that many key splits)."""
     top = max(batches)
     config = EngineConfig(
         prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
         decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE,
-        fused_decode_attention=fused)
+        fused_decode_attention=fused_splits is not None)
     runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
                          page_size=PAGE_SIZE)
+    if fused_splits is not None:
+        runner.decode_kernel = dataclasses.replace(runner.decode_kernel, k_splits=fused_splits)
     print(runner.compile_all().table())
     return runner
 
@@ -199,21 +202,25 @@ def run_ahead_steps(runner, requests: list[StepRequest], steps: int) -> None:
     pending.result()
 
 
-def bench_decode(model, batches: list[int], context: int, iters: int) -> list[dict]:
+def bench_decode(model, batches: list[int], context: int, iters: int,
+                 fused_splits: list[int]) -> list[dict]:
     """Per batch: a whole ``ModelRunner.step`` (median), and the mean step of a run of steps
     that each launch before the previous one's tokens are fetched (``run_ahead_steps``); the
-    same on the fused decode attention kernel where it runs (None elsewhere)."""
+    same on the fused decode attention kernel with each of ``fused_splits`` key splits, where
+    it runs (None elsewhere)."""
     runners = {"": decode_runner(model, batches, context)}
     if choose_decode_kernel(head_dim=model.config.head_dim, page_size=PAGE_SIZE,
                             dtype=model.dtype, fused=True).backend == FUSED:
-        runners["fused_"] = decode_runner(model, batches, context, fused=True)
+        runners |= {f"fused{splits}_": decode_runner(model, batches, context, splits)
+                    for splits in fused_splits}
     rows = []
     ahead_steps = 5 * iters
     for batch in batches:
         requests = decode_requests(batch, context)
         step = StepBatch(requests)
-        row = {"batch": batch, "context": context, "fused_step_ms": None,
-               "fused_run_ahead_step_ms": None}
+        row = {"batch": batch, "context": context}
+        row |= {f"fused{splits}_{name}": None for splits in fused_splits
+                for name in ("step_ms", "run_ahead_step_ms")}
         for prefix, runner in runners.items():
             seconds = timed(lambda step=step, runner=runner: runner.step(step), iters, warmup=2)
             ahead = timed(lambda r=requests, runner=runner: run_ahead_steps(runner, r,
@@ -301,6 +308,9 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,8,32,128")
     parser.add_argument("--decode-context", type=int, default=512,
                         help="tokens already in each decoding request's KV pages")
+    parser.add_argument("--fused-decode-splits", default="1",
+                        help="key splits of the fused decode attention runs, comma-separated "
+                             "(each is one more decode runner; GPU only)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-iters", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON here")
@@ -327,7 +337,8 @@ def main() -> None:
     sizes = [int(s) for s in args.prefill_tokens.split(",")]
     batches = [int(b) for b in args.decode_batches.split(",")]
     prefill, dispatch = bench_prefill(model, sizes, args.iters, args.eager_iters)
-    decode = bench_decode(model, batches, args.decode_context, args.iters)
+    fused_splits = [int(s) for s in args.fused_decode_splits.split(",")]
+    decode = bench_decode(model, batches, args.decode_context, args.iters, fused_splits)
     with allowed("call-path microbenchmark"):
         call_paths = bench_call_paths(args.iters)
 
@@ -341,11 +352,14 @@ def main() -> None:
               f"{r['whole_jit_tok_s']:>16.0f} {r['eager_tok_s']:>12.0f} "
               f"{r['segmented_vs_jit']:>12.3f} {r['inline_vs_jit']:>15.3f} "
               f"{r['full_step_ms']:>12.2f}")
-    print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16} {'fused step ms':>16} "
-          f"{'fused ahead ms':>16}   (context {args.decode_context})")
+    fused_columns = [f"fused{splits}_{name}" for splits in fused_splits
+                     for name in ("step_ms", "run_ahead_step_ms")]
+    print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16}"
+          + "".join(f" {name.removesuffix('_ms').replace('run_ahead_step', 'ahead'):>16}"
+                    for name in fused_columns) + f"   (context {args.decode_context}, ms)")
     for r in decode:
-        fused = "".join(" " * 12 + "-   " if r[name] is None else f"{r[name]:>17.3f}"
-                        for name in ("fused_step_ms", "fused_run_ahead_step_ms"))
+        fused = "".join(f" {'-':>16}" if r[name] is None else f" {r[name]:>16.3f}"
+                        for name in fused_columns)
         print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}{fused}")
     print(f"{'plan tokens':>14} {'calls':>16} {'host us / call':>16}")
     for r in dispatch:
