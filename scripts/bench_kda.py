@@ -222,11 +222,12 @@ def prefill_stages(lengths, calls=10):
     scan = jax.jit(functools.partial(kda.scan_stage, out_dtype=jnp.bfloat16, config=config,
                                      interpret=False))
     chunks, first_chunk = to_chunks(q, k, v, g, beta)
-    intra_out = intra(*chunks)
+    intra_out = intra(*chunks, first_chunk[-1])
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     table = kda._request_table(cu, first_chunk, slots, None, None)
     pool = jnp.zeros((num_requests, H, K, V), jnp.float32)
-    stages = {"chunks": lambda: to_chunks(q, k, v, g, beta), "intra": lambda: intra(*chunks),
+    stages = {"chunks": lambda: to_chunks(q, k, v, g, beta),
+              "intra": lambda: intra(*chunks, first_chunk[-1]),
               "scan": lambda: scan(table, *intra_out, pool)}
 
     def repeated(stage):

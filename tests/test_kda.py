@@ -200,8 +200,8 @@ def test_per_chunk_kernels_match_numpy_under_strong_decay():
     g[0, [2, 9, 21, 40], 0, :] = -100.0
     beta = rng.uniform(0.05, 1.0, (1, chunk, 1))
     qg, w, kg, u, aqk, glast = kda_intra.intra_stage(
-        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), group=1, scale=scale,
-        key_split=8, scores_num_warps=4, solve_num_warps=4, interpret=True)
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), jnp.array([1]), group=1,
+        scale=scale, key_split=8, scores_num_warps=4, solve_num_warps=4, interpret=True)
     assert all(np.all(np.isfinite(x)) for x in (qg, w, kg, u, aqk))
 
     gc = np.cumsum(g[0, :, 0], axis=0)
@@ -217,6 +217,26 @@ def test_per_chunk_kernels_match_numpy_under_strong_decay():
     np.testing.assert_allclose(w[0, 0], t_mat @ (b * np.exp(gc) * ks), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(kg[0, 0], ks * np.exp(gc[-1] - gc), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(glast[0, 0], gc[-1], rtol=1e-5)
+
+
+def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
+    """Two chunks of tokens, one declared live: the first chunk's outputs are the ones of a
+    call with both live, and nothing computed lands in the second (it is never read)."""
+    rng = np.random.default_rng(12)
+    q, k = rng.standard_normal((2, 2, 64, 1, 32))
+    v = rng.standard_normal((2, 64, 1, 32))
+    g = -rng.uniform(0.0, 1.0, (2, 64, 1, 32))
+    beta = rng.uniform(0.05, 1.0, (2, 64, 1))
+    inputs = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta))
+
+    def outputs(live):
+        return kda_intra.intra_stage(*inputs, jnp.array([live]), group=1, scale=0.3,
+                                     key_split=8, scores_num_warps=4, solve_num_warps=4,
+                                     interpret=True)
+
+    for both, first in zip(outputs(2), outputs(1)):  # qg, w, kg, u, aqk [HV, NC, ...], glast
+        np.testing.assert_array_equal(first[:, 0], both[:, 0])
+        assert not np.allclose(first[:, 1], both[:, 1])
 
 
 @pytest.mark.parametrize("key_split", [8, 16, 32])

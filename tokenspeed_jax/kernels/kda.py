@@ -249,8 +249,9 @@ def chunk_kda_prefill(
     token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)
     q_c, k_c, v_c, g_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, v, g, beta))
 
-    intra_out = intra_stage(q_c, k_c, v_c, g_c, beta_c, group=group, scale=scale,
-                            key_split=key_split, scores_num_warps=config.scores_num_warps,
+    intra_out = intra_stage(q_c, k_c, v_c, g_c, beta_c, first_chunk[-1], group=group,
+                            scale=scale, key_split=key_split,
+                            scores_num_warps=config.scores_num_warps,
                             solve_num_warps=config.solve_num_warps, interpret=interpret)
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
     o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,

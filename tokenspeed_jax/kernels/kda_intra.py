@@ -57,6 +57,14 @@ def decay(log_decay):
     return jnp.exp2(log_decay * LOG2_E)
 
 
+def chunk_is_live(live_ref):
+    """Whether this program's chunk (grid axis 0) is one of the first live_ref[0] (i32[1]), the
+    chunks that hold tokens. The chunk grid is sized for any packing of the bucket; its unused
+    tail is never read, so a kernel skips it and leaves it unwritten. (Kernels read their other
+    program ids before this test: the interpreter resolves program ids only outside branches.)"""
+    return pl.program_id(0) < live_ref[0]
+
+
 def nilpotent_inverse(strict, nilpotency: int, matmul):
     """(I + N)^-1 for N ([n, n]) with N^nilpotency = 0 (nilpotency a power of two): the product
     (I - N)(I + N^2)(I + N^4)... up to N^(nilpotency / 2), each product by `matmul`."""
@@ -81,12 +89,16 @@ def block_pairs(q, k, gc):
     return tuple(jnp.sum(x[:, None, :] * decayed, axis=0) for x in (k, q))
 
 
-def cumsum_kernel(g_ref, gc_ref):
+def cumsum_kernel(live_ref, g_ref, gc_ref):
     """gc = the cumulative sum of g ([C, K] fp32 log decay) over the chunk's rows."""
-    gc_ref[...] = jnp.cumsum(g_ref[...], axis=0)
+
+    @pl.when(chunk_is_live(live_ref))
+    def _():
+        gc_ref[...] = jnp.cumsum(g_ref[...], axis=0)
 
 
-def scores_kernel(
+def score_rows(
+    block,  # this program's 16-row block of the chunk
     q_ref,  # [C, K]
     k_ref,  # [C, K]
     gc_ref,  # [C, K] fp32, in-chunk cumulative log decay
@@ -101,7 +113,6 @@ def scores_kernel(
 ):
     f32 = jnp.float32
     chunk, head_k = k_ref.shape
-    block = pl.program_id(2)
     start = pl.multiple_of(block * SUB_BLOCK, SUB_BLOCK)
     rows = pl.ds(start, SUB_BLOCK)
 
@@ -139,7 +150,7 @@ def scores_kernel(
     aqk_ref[:, rows] = jnp.where(i >= j, within_qk.T, 0.0).astype(aqk_ref.dtype)
 
 
-def solve_kernel(
+def solve_chunk(
     q_ref,  # [C, K]
     k_ref,  # [C, K]
     v_ref,  # [C, V]
@@ -178,6 +189,17 @@ def solve_kernel(
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
 
 
+def scores_kernel(live_ref, *refs, **params):
+    """``score_rows`` for a live chunk; the block id is read here, outside the branch."""
+    block = pl.program_id(2)
+    pl.when(chunk_is_live(live_ref))(lambda: score_rows(block, *refs, **params))
+
+
+def solve_kernel(live_ref, *refs, **params):
+    """``solve_chunk`` for a live chunk."""
+    pl.when(chunk_is_live(live_ref))(lambda: solve_chunk(*refs, **params))
+
+
 def _column_slices(width: int):
     """Static slices of at most COLUMN_SLICE columns: the [64, width] operands of the kernels'
     wide dots are taken a slice at a time, which bounds the registers they hold."""
@@ -185,11 +207,12 @@ def _column_slices(width: int):
     return [pl.ds(first, step) for first in range(0, width, step)]
 
 
-def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_split: int,
-                scores_num_warps: int, solve_num_warps: int, interpret: bool):
-    """Both per-chunk kernels over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
-    g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]): returns qg, w, kg, u, aqk [HV, NC, C, *]
-    and glast [HV, NC, K] fp32 (each chunk's total log decay)."""
+def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: float,
+                key_split: int, scores_num_warps: int, solve_num_warps: int, interpret: bool):
+    """The per-chunk kernels over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
+    g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]) of which the first ``live_chunks``
+    (i32[1]) hold tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32
+    (each chunk's total log decay), garbage past the live chunks."""
     num_chunks, C, HV, K = g_c.shape
     V = v_c.shape[-1]
     precision = lax.Precision.HIGHEST if v_c.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -212,21 +235,23 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_spl
         return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dtype)
 
     beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h, *_: (c, 0, h))
+    live_spec = pl.BlockSpec(index_map=lambda *_: (0,))
+    live_chunks = live_chunks.astype(jnp.int32).reshape(1)
     gc = pl.pallas_call(
         cumsum_kernel,
         grid=(num_chunks, HV),
-        in_specs=[chunk_spec(K, own_head)],
+        in_specs=[live_spec, chunk_spec(K, own_head)],
         out_specs=chunk_spec(K, own_head),
         out_shape=jax.ShapeDtypeStruct(g_c.shape, jnp.float32),
         compiler_params=pallas_backend.compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kda_chunk_cumsum",
-    )(g_c)
+    )(live_chunks, g_c)
     parts, aqk = pl.pallas_call(
         functools.partial(scores_kernel, scale=scale, key_split=min(key_split, K),
                           precision=precision, exact=exact),
         grid=(num_chunks, HV, C // SUB_BLOCK),
-        in_specs=[chunk_spec(K, shared_head), chunk_spec(K, shared_head),
+        in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
                   chunk_spec(K, own_head), beta_spec],
         out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
                                 lambda c, h, b: (h, c, b, 0))] * 2,
@@ -235,7 +260,7 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_spl
                                                        num_stages=1),
         interpret=interpret,
         name="kda_chunk_scores",
-    )(q_c, k_c, gc, beta_c)
+    )(live_chunks, q_c, k_c, gc, beta_c)
 
     def out_spec(width):
         return pl.BlockSpec((squeezed, squeezed, C, width), lambda c, h: (h, c, 0, 0))
@@ -243,7 +268,7 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_spl
     qg, w, kg, u = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale, precision=precision, exact=exact),
         grid=(num_chunks, HV),
-        in_specs=[chunk_spec(K, shared_head), chunk_spec(K, shared_head),
+        in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
                   chunk_spec(V, own_head), chunk_spec(K, own_head), beta_spec, out_spec(C)],
         out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V)],
         out_shape=[chunked(K), chunked(K), chunked(K), chunked(V)],
@@ -251,5 +276,5 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, *, group: int, scale: float, key_spl
                                                        num_stages=1),
         interpret=interpret,
         name="kda_chunk_solve",
-    )(q_c, k_c, v_c, gc, beta_c, parts)
+    )(live_chunks, q_c, k_c, v_c, gc, beta_c, parts)
     return qg, w, kg, u, aqk, jnp.transpose(gc[:, -1], (1, 0, 2))
