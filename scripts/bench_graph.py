@@ -314,6 +314,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-iters", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode step times (no prefill, no call-path table)")
     parser.add_argument("--host-breakdown", action="store_true",
                         help="only the per-part host time of a decode step at --decode-batches")
     args = parser.parse_args()
@@ -334,13 +336,15 @@ def main() -> None:
                 json.dump({"model": args.model, "dtype": args.dtype, "device": device,
                            "jax": jax.__version__, "host_breakdown": breakdown}, f, indent=2)
         return
-    sizes = [int(s) for s in args.prefill_tokens.split(",")]
+    sizes = [] if args.decode_only else [int(s) for s in args.prefill_tokens.split(",")]
     batches = [int(b) for b in args.decode_batches.split(",")]
-    prefill, dispatch = bench_prefill(model, sizes, args.iters, args.eager_iters)
+    prefill, dispatch = bench_prefill(model, sizes, args.iters, args.eager_iters) if sizes else ([], [])
     fused_splits = [int(s) for s in args.fused_decode_splits.split(",")]
     decode = bench_decode(model, batches, args.decode_context, args.iters, fused_splits)
-    with allowed("call-path microbenchmark"):
-        call_paths = bench_call_paths(args.iters)
+    call_paths = {}
+    if not args.decode_only:
+        with allowed("call-path microbenchmark"):
+            call_paths = bench_call_paths(args.iters)
 
     device = jax.devices()[0].device_kind
     print(f"\n{args.model} ({args.dtype}) on {device}, jax {jax.__version__}")
