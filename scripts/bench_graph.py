@@ -160,18 +160,20 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
 
 
 def decode_runner(model, batches: list[int], context: int,
-                  fused_splits: int | None = None) -> ModelRunner:
+                  fused: tuple[int, int] | None = None) -> ModelRunner:
     """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens
-    (with ``fused_splits``, on the fused decode attention kernel with that many key splits)."""
+    (with ``fused`` = (key splits, pages per key block), on the fused decode attention kernel
+    with those knobs)."""
     top = max(batches)
     config = EngineConfig(
         prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
         decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE,
-        fused_decode_attention=fused_splits is not None)
+        fused_decode_attention=fused is not None)
     runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
                          page_size=PAGE_SIZE)
-    if fused_splits is not None:
-        runner.decode_kernel = dataclasses.replace(runner.decode_kernel, k_splits=fused_splits)
+    if fused is not None:
+        runner.decode_kernel = dataclasses.replace(
+            runner.decode_kernel, k_splits=fused[0], pages_per_compute_block=fused[1])
     print(runner.compile_all().table())
     return runner
 
@@ -203,23 +205,24 @@ def run_ahead_steps(runner, requests: list[StepRequest], steps: int) -> None:
 
 
 def bench_decode(model, batches: list[int], context: int, iters: int,
-                 fused_splits: list[int]) -> list[dict]:
+                 fused: list[tuple[int, int]]) -> list[dict]:
     """Per batch: a whole ``ModelRunner.step`` (median), and the mean step of a run of steps
     that each launch before the previous one's tokens are fetched (``run_ahead_steps``); the
-    same on the fused decode attention kernel with each of ``fused_splits`` key splits, where
-    it runs (None elsewhere)."""
+    same on the fused decode attention kernel with each (key splits, pages per block) of
+    ``fused``, where it runs (None elsewhere)."""
     runners = {"": decode_runner(model, batches, context)}
     if choose_decode_kernel(head_dim=model.config.head_dim, page_size=PAGE_SIZE,
                             dtype=model.dtype, fused=True).backend == FUSED:
-        runners |= {f"fused{splits}_": decode_runner(model, batches, context, splits)
-                    for splits in fused_splits}
+        runners |= {f"fused{splits}x{pages}_": decode_runner(model, batches, context,
+                                                               (splits, pages))
+                    for splits, pages in fused}
     rows = []
     ahead_steps = 5 * iters
     for batch in batches:
         requests = decode_requests(batch, context)
         step = StepBatch(requests)
         row = {"batch": batch, "context": context}
-        row |= {f"fused{splits}_{name}": None for splits in fused_splits
+        row |= {f"fused{splits}x{pages}_{name}": None for splits, pages in fused
                 for name in ("step_ms", "run_ahead_step_ms")}
         for prefix, runner in runners.items():
             seconds = timed(lambda step=step, runner=runner: runner.step(step), iters, warmup=2)
@@ -308,9 +311,10 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,8,32,128")
     parser.add_argument("--decode-context", type=int, default=512,
                         help="tokens already in each decoding request's KV pages")
-    parser.add_argument("--fused-decode-splits", default="1",
-                        help="key splits of the fused decode attention runs, comma-separated "
-                             "(each is one more decode runner; GPU only)")
+    parser.add_argument("--fused-decode", default="1x4",
+                        help="fused decode attention runs, comma-separated SPLITSxPAGES (key "
+                             "splits x pages per key block); each is one more decode runner, "
+                             "GPU only")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-iters", type=int, default=2)
     parser.add_argument("--out", help="write the results as JSON here")
@@ -339,8 +343,8 @@ def main() -> None:
     sizes = [] if args.decode_only else [int(s) for s in args.prefill_tokens.split(",")]
     batches = [int(b) for b in args.decode_batches.split(",")]
     prefill, dispatch = bench_prefill(model, sizes, args.iters, args.eager_iters) if sizes else ([], [])
-    fused_splits = [int(s) for s in args.fused_decode_splits.split(",")]
-    decode = bench_decode(model, batches, args.decode_context, args.iters, fused_splits)
+    fused = [tuple(int(n) for n in knobs.split("x")) for knobs in args.fused_decode.split(",")]
+    decode = bench_decode(model, batches, args.decode_context, args.iters, fused)
     call_paths = {}
     if not args.decode_only:
         with allowed("call-path microbenchmark"):
@@ -356,7 +360,7 @@ def main() -> None:
               f"{r['whole_jit_tok_s']:>16.0f} {r['eager_tok_s']:>12.0f} "
               f"{r['segmented_vs_jit']:>12.3f} {r['inline_vs_jit']:>15.3f} "
               f"{r['full_step_ms']:>12.2f}")
-    fused_columns = [f"fused{splits}_{name}" for splits in fused_splits
+    fused_columns = [f"fused{splits}x{pages}_{name}" for splits, pages in fused
                      for name in ("step_ms", "run_ahead_step_ms")]
     print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16}"
           + "".join(f" {name.removesuffix('_ms').replace('run_ahead_step', 'ahead'):>16}"
