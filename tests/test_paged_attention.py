@@ -21,11 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tokenspeed_jax.kernels.attention import (
-    decode_attention_step,
-    paged_decode_attention,
-    write_kv,
-)
+from tokenspeed_jax.kernels.attention import paged_decode_attention, write_kv
 from tokenspeed_jax.kernels.attention_ref import masked_attention
 from tokenspeed_jax.kernels.paged_attention_backend import (
     FUSED,
@@ -35,7 +31,11 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     choose_decode_kernel,
     pallas_unsupported_reason,
 )
-from tokenspeed_jax.kernels.paged_decode import fused_paged_decode
+from tokenspeed_jax.kernels.paged_decode import (
+    decode_attention_step,
+    fused_paged_decode,
+    fused_paged_decode_reference,
+)
 
 PAGE = 4
 NUM_PAGES = 24
@@ -103,9 +103,9 @@ def slots_of(tables, positions):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(9, 3), (4, 2), (32, 2)])
 def test_fused_decode_writes_kv_and_matches_dense_attention(num_q_heads, num_kv_heads, splits):
-    """The fused kernel (interpreted) against the unfused route: its pages equal ``write_kv``'s
-    bit for bit and its output the dense attention over the written context. Three splits of a
-    context of 3, 5 and 10 pages leave some splits empty."""
+    """The fused kernel (interpreted) and its plain-JAX reference against the unfused route: the
+    pages equal ``write_kv``'s bit for bit and the output the dense attention over the written
+    context. Three splits of a context of 3, 5 and 10 pages leave some splits empty."""
     rng = np.random.default_rng(num_q_heads + splits)
     head_dim = 16
     k_pages, v_pages = cache(rng, num_kv_heads, head_dim)
@@ -121,10 +121,15 @@ def test_fused_decode_writes_kv_and_matches_dense_attention(num_q_heads, num_kv_
         jnp.asarray(positions), scale=SCALE, pages_per_block=2, splits=splits, interpret=True)
     np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-    np.testing.assert_allclose(np.asarray(out), expected_decode(q, want_k, want_v, tables,
-                                                                positions),
-                               rtol=2e-5, atol=2e-5)
+    want = expected_decode(q, want_k, want_v, tables, positions)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
     assert not np.any(np.asarray(out)[3])
+    ref_out, ref_k, ref_v = fused_paged_decode_reference(
+        jnp.asarray(q), k_new, v_new, k_pages, v_pages, jnp.asarray(tables),
+        jnp.asarray(positions), scale=SCALE)
+    np.testing.assert_array_equal(np.asarray(ref_k), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(ref_v), np.asarray(want_v))
+    np.testing.assert_allclose(np.asarray(ref_out), want, rtol=2e-5, atol=2e-5)
 
 
 def _primitives(jaxpr) -> list[str]:

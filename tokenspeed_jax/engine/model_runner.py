@@ -103,8 +103,9 @@ from tokenspeed_jax.graph import (
 )
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
-from tokenspeed_jax.kernels.attention import decode_attention_step, write_kv
+from tokenspeed_jax.kernels.attention import write_kv
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, choose_decode_kernel
+from tokenspeed_jax.kernels.paged_decode import decode_attention_step
 from tokenspeed_jax.kernels.paged_prefill_attention import (
     choose_prefill_kernel,
     paged_prefill_attention,

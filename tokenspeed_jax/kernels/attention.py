@@ -13,9 +13,8 @@ layout of JAX's Pallas paged-attention op); slot ``s`` is page ``s // page_size`
   keys through its request's page table, like decode: its shapes never depend on the context.
 * Decode reads each request's pages up to its position: through the Pallas op on a GPU, through
   ``paged_decode_attention_reference`` (which gathers the whole page table) elsewhere; the choice
-  is ``paged_attention_backend.DecodeKernel``, made once. ``decode_attention_step`` is a decode
-  layer's whole attention (write, then read); with the fused kernel that is one kernel
-  (``paged_decode``), which writes to the slot the page table gives the position.
+  is ``paged_attention_backend.DecodeKernel``, made once. A decode layer's whole attention
+  (write, then read) is ``paged_decode.decode_attention_step``.
 * Page-table entries beyond a request's length may hold any valid page id: they are masked.
 * The arithmetic is ``attention_ref.masked_attention``'s (float32 softmax, GQA grouping), so the
   kernels match the reference forward on real tokens up to float summation order.
@@ -23,22 +22,16 @@ layout of JAX's Pallas paged-attention op); slot ``s`` is page ``s // page_size`
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.attention_ref import masked_attention
 from tokenspeed_jax.kernels.paged_attention_backend import (
-    FUSED,
     PALLAS,
     REFERENCE_KERNEL,
     DecodeKernel,
     pallas_paged_decode,
 )
-from tokenspeed_jax.kernels.paged_decode import fused_paged_decode
 
 
 def write_kv(
@@ -110,34 +103,3 @@ def paged_decode_attention(
     return paged_decode_attention_reference(q, k_pages, v_pages, page_tables, positions,
                                             scale=scale)
 
-
-def decode_attention_step(
-    q: jax.Array,  # [B, Hq, Dh]: one query per request
-    k: jax.Array,  # [B, Hkv, Dh]: this step's keys
-    v: jax.Array,  # [B, Hkv, Dh]
-    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
-    v_pages: jax.Array,
-    page_tables: jax.Array,  # i32[B, P]
-    positions: jax.Array,  # i32[B]; < 0 = padding row
-    slot_mapping: jax.Array,  # i32[B]: each row's slot (its page table's, for its position)
-    *,
-    scale: float,
-    kernel: DecodeKernel = REFERENCE_KERNEL,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decode layer's attention: (output [B, Hq, Dh], k_pages, v_pages) with the step's K/V
-    written. The fused kernel does both in one call (per shard of ``kernel.mesh``); the other
-    backends write with ``write_kv`` and read with ``paged_decode_attention``."""
-    if kernel.backend != FUSED:
-        k_pages, v_pages = write_kv(k_pages, k, slot_mapping), write_kv(v_pages, v, slot_mapping)
-        return (paged_decode_attention(q, k_pages, v_pages, page_tables, positions, scale=scale,
-                                       kernel=kernel), k_pages, v_pages)
-    op = functools.partial(fused_paged_decode, scale=scale, block_h=kernel.block_h,
-                           pages_per_block=kernel.pages_per_compute_block,
-                           splits=kernel.k_splits, interpret=kernel.interpret)
-    if kernel.mesh is not None:
-        heads, pages = parallel.head_spec(3), parallel.head_spec(4, axis=0)
-        op = jax.shard_map(op, mesh=kernel.mesh,
-                           in_specs=(heads, heads, heads, pages, pages, PartitionSpec(),
-                                     PartitionSpec()),
-                           out_specs=(heads, pages, pages), check_vma=False)
-    return op(q, k, v, k_pages, v_pages, page_tables, positions)

@@ -5,8 +5,10 @@ The unfused route (``attention.write_kv`` twice, then JAX's paged-attention op, 
 query heads and merges its key splits in separate ops) launches about six kernels per layer for
 this; a decode step is one CUDA graph whose launch time grows with its kernel count. Layouts are
 ``attention.py``'s: pages ``[Hkv, num_pages, page_size, Dh]``, one query per request
-``q [B, Hq, Dh]``, the step's ``k, v [B, Hkv, Dh]``. The plain-JAX reference is that unfused
-route with the reference attention (``attention.paged_decode_attention_reference``).
+``q [B, Hq, Dh]``, the step's ``k, v [B, Hkv, Dh]``. ``fused_paged_decode_reference`` is the
+same function in plain JAX (the unfused route with the reference attention), and
+``decode_attention_step`` is a decode layer's attention on whichever route a ``DecodeKernel``
+names.
 
 Invariants:
 
@@ -34,10 +36,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec
 
+from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    write_kv,
+)
 from tokenspeed_jax.kernels.attention_ref import HIGHEST
 from tokenspeed_jax.kernels.kernel_math import LOG2E, online_softmax_step
+from tokenspeed_jax.kernels.paged_attention_backend import FUSED, REFERENCE_KERNEL, DecodeKernel
 
 
 def _decode_kernel(
@@ -179,3 +189,48 @@ def fused_paged_decode(
     )(positions.astype(jnp.int32), tables, q, k, v, k_pages, v_pages)
     attention = out[0] if splits == 1 else merge_splits(*out).astype(q.dtype)
     return attention, k_pages, v_pages
+
+
+def fused_paged_decode_reference(q, k, v, k_pages, v_pages, page_tables, positions, *,
+                                 scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``fused_paged_decode`` in plain JAX: ``write_kv`` at the slot each row's page table
+    gives its position, then ``attention.paged_decode_attention_reference``."""
+    page_size = k_pages.shape[2]
+    rows = jnp.arange(positions.shape[0])
+    slots = jnp.where(positions >= 0, page_tables[rows, jnp.maximum(positions, 0) // page_size]
+                      * page_size + positions % page_size, -1)
+    k_pages, v_pages = write_kv(k_pages, k, slots), write_kv(v_pages, v, slots)
+    return (paged_decode_attention_reference(q, k_pages, v_pages, page_tables, positions,
+                                             scale=scale), k_pages, v_pages)
+
+
+def decode_attention_step(
+    q: jax.Array,  # [B, Hq, Dh]: one query per request
+    k: jax.Array,  # [B, Hkv, Dh]: this step's keys
+    v: jax.Array,  # [B, Hkv, Dh]
+    k_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
+    v_pages: jax.Array,
+    page_tables: jax.Array,  # i32[B, P]
+    positions: jax.Array,  # i32[B]; < 0 = padding row
+    slot_mapping: jax.Array,  # i32[B]: each row's slot (its page table's, for its position)
+    *,
+    scale: float,
+    kernel: DecodeKernel = REFERENCE_KERNEL,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode layer's attention: (output [B, Hq, Dh], k_pages, v_pages) with the step's K/V
+    written. The fused kernel does both in one call (per shard of ``kernel.mesh``); the other
+    backends write with ``write_kv`` and read with ``paged_decode_attention``."""
+    if kernel.backend != FUSED:
+        k_pages, v_pages = write_kv(k_pages, k, slot_mapping), write_kv(v_pages, v, slot_mapping)
+        return (paged_decode_attention(q, k_pages, v_pages, page_tables, positions, scale=scale,
+                                       kernel=kernel), k_pages, v_pages)
+    op = functools.partial(fused_paged_decode, scale=scale, block_h=kernel.block_h,
+                           pages_per_block=kernel.pages_per_compute_block,
+                           splits=kernel.k_splits, interpret=kernel.interpret)
+    if kernel.mesh is not None:
+        heads, pages = parallel.head_spec(3), parallel.head_spec(4, axis=0)
+        op = jax.shard_map(op, mesh=kernel.mesh,
+                           in_specs=(heads, heads, heads, pages, pages, PartitionSpec(),
+                                     PartitionSpec()),
+                           out_specs=(heads, pages, pages), check_vma=False)
+    return op(q, k, v, k_pages, v_pages, page_tables, positions)
