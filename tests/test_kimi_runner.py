@@ -5,6 +5,7 @@ pool (checkpoints included); padded requests and tokens never write a pool row o
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine import kimi_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.kimi_runner import KimiRunner, checkpoint_split
 from tokenspeed_jax.graph import choose_bucket
@@ -28,6 +30,19 @@ CONFIG = EngineConfig(
     prefill_graph_capture_batch_sizes=(2,), prefill_graph_max_bs=2,
     decode_graph_capture_batch_sizes=(2,), decode_graph_max_bs=2,
     max_model_len=128, compile_progress=False, strict_no_compile=True)
+
+
+def test_llama_only_settings_are_logged_as_ignored(caplog):
+    """``inline_prefill_attention`` and ``fused_decode_attention`` name Llama-family routes: the
+    Kimi runner says it ignores each."""
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    config = dataclasses.replace(CONFIG, inline_prefill_attention=True,
+                                 fused_decode_attention=True)
+    with caplog.at_level(logging.WARNING, logger=kimi_runner.__name__):
+        KimiRunner(checkpoint.model, config, num_pages=24, num_state_slots=6, page_size=PAGE)
+    messages = [record.message for record in caplog.records]
+    for name in ("inline_prefill_attention", "fused_decode_attention"):
+        assert sum(f"{name}=True does not apply to Kimi Linear" in m for m in messages) == 1
 
 
 @pytest.fixture(scope="module")

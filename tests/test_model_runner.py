@@ -7,6 +7,7 @@ runner's greedy token and its log-probability, and the K/V it wrote into the pag
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -291,6 +292,17 @@ def test_eager_route_matches_reference(model, eager_runner):
     generate(model, eager_runner, Pages(), prompts(41, 5, 18), steps=1)
     assert eager_runner.stats()["eager_runs"] == 2
     assert eager_runner.stats()["runtime_compiles"] == 0
+
+
+def test_a_kimi_only_setting_is_logged_as_ignored(model, caplog):
+    """``disable_kda_prefill_graph`` names a Kimi Linear route: this runner says it ignores it
+    and stays silent without it."""
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        ModelRunner(model, ENGINE, 64, PAGE)
+        assert not caplog.records
+        ModelRunner(model, dataclasses.replace(ENGINE, disable_kda_prefill_graph=True), 64, PAGE)
+    (record,) = caplog.records
+    assert "disable_kda_prefill_graph=True does not apply to Llama-family models" in record.message
 
 
 def test_prefill_graph_off_prefills_eagerly_and_decodes_on_the_graph(model):

@@ -8,6 +8,8 @@ value; it never changes afterwards (frozen); static settings only, never live re
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Sequence
 
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 8192  # "auto" when chunked prefill is off
 OVERLAP_SCHEDULES = ("auto", "on", "off")
@@ -52,7 +54,8 @@ class EngineConfig:
     # whose prefill is dispatch-bound; the whole forward compiles per bucket (Llama-family models).
     inline_prefill_attention: bool = False
     # Decode attention on a GPU as one Pallas kernel per layer that also writes the step's K/V
-    # (``kernels/paged_decode.py``), instead of two scatters and JAX's paged-attention op.
+    # (``kernels/paged_decode.py``), instead of two scatters and JAX's paged-attention op
+    # (Llama-family models).
     fused_decode_attention: bool = False
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
@@ -138,3 +141,12 @@ class EngineConfig:
         if self.chunked_prefill_size:
             limit = min(limit, self.chunked_prefill_size)
         return limit
+
+
+def warn_inapplicable(config: EngineConfig, names: Sequence[str], runner: str,
+                      log: logging.Logger) -> None:
+    """Log each boolean setting of ``names`` that is on although ``runner`` (the model family's
+    runner) has no such route, so a flag given for another family is not silently dropped."""
+    for name in names:
+        if getattr(config, name):
+            log.warning("%s=True does not apply to %s: ignored", name, runner)

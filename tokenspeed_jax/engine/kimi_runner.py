@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax import parallel
-from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.model_runner import Buckets
 from tokenspeed_jax.engine.sampling_plans import (
@@ -226,6 +226,8 @@ class KimiRunner:
         self.model_config = cfg = model.config
         self.page_size = page_size
         self.num_state_slots = num_state_slots
+        warn_inapplicable(config, ("inline_prefill_attention", "fused_decode_attention"),
+                          "Kimi Linear (MLA attention, its own routes)", logger)
         self.pages_per_request = math.ceil(config.max_model_len / page_size)
         self.scale = float(model.attention_scale)
         self.buckets = Buckets.from_config(config, prefill=True, decode=True)

@@ -64,7 +64,7 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax import parallel
-from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
@@ -237,6 +237,7 @@ class ModelRunner:
         self.prefill_kernel = choose_prefill_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
             num_kv_heads=cfg.num_key_value_heads)
+        warn_inapplicable(config, ("disable_kda_prefill_graph",), "Llama-family models", logger)
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}
