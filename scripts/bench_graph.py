@@ -45,7 +45,11 @@ from tokenspeed_jax.engine.sampler import SamplingArrays
 from tokenspeed_jax.engine.sampling_plans import fetch_sampled, step_output
 from tokenspeed_jax.graph import run_eager, whole_forward
 from tokenspeed_jax.graph.guard import allowed
-from tokenspeed_jax.kernels.paged_attention_backend import FUSED, choose_decode_kernel
+from tokenspeed_jax.kernels.paged_attention_backend import (
+    FUSED,
+    FUSED_KERNEL,
+    choose_decode_kernel,
+)
 from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -311,7 +315,8 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,8,32,128")
     parser.add_argument("--decode-context", type=int, default=512,
                         help="tokens already in each decoding request's KV pages")
-    parser.add_argument("--fused-decode", default="1x4",
+    parser.add_argument("--fused-decode", default=f"{FUSED_KERNEL.k_splits}x"
+                                                  f"{FUSED_KERNEL.pages_per_compute_block}",
                         help="fused decode attention runs, comma-separated SPLITSxPAGES (key "
                              "splits x pages per key block); each is one more decode runner, "
                              "GPU only")
@@ -366,9 +371,9 @@ def main() -> None:
           + "".join(f" {name.removesuffix('_ms').replace('run_ahead_step', 'ahead'):>16}"
                     for name in fused_columns) + f"   (context {args.decode_context}, ms)")
     for r in decode:
-        fused = "".join(f" {'-':>16}" if r[name] is None else f" {r[name]:>16.3f}"
+        cells = "".join(f" {'-':>16}" if r[name] is None else f" {r[name]:>16.3f}"
                         for name in fused_columns)
-        print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}{fused}")
+        print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}{cells}")
     print(f"{'plan tokens':>14} {'calls':>16} {'host us / call':>16}")
     for r in dispatch:
         print(f"{r['tokens']:>14} {r['calls']:>16} {r['host_us_per_call']:>16.1f}")

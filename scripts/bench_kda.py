@@ -215,10 +215,8 @@ def prefill_stages(lengths, calls=10):
         token_of_row, first_chunk, _ = kda._chunk_layout(cu, num_tokens, num_chunks)
         return [kda._to_chunks(x, token_of_row) for x in (q, k, v, g, beta)], first_chunk
 
-    intra = jax.jit(functools.partial(
-        kda.intra_stage, group=1, scale=K**-0.5, key_split=config.key_split,
-        scores_num_warps=config.scores_num_warps, solve_num_warps=config.solve_num_warps,
-        interpret=False))
+    intra = jax.jit(functools.partial(kda.intra_stage, group=1, scale=K**-0.5, config=config,
+                                      interpret=False))
     scan = jax.jit(functools.partial(kda.scan_stage, out_dtype=jnp.bfloat16, config=config,
                                      interpret=False))
     chunks, first_chunk = to_chunks(q, k, v, g, beta)

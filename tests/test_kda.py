@@ -201,7 +201,7 @@ def test_per_chunk_kernels_match_numpy_under_strong_decay():
     beta = rng.uniform(0.05, 1.0, (1, chunk, 1))
     qg, w, kg, u, aqk, glast = kda_intra.intra_stage(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), jnp.array([1]), group=1,
-        scale=scale, key_split=8, scores_num_warps=4, solve_num_warps=4, interpret=True)
+        scale=scale, config=kda.ChunkConfig(), interpret=True)
     assert all(np.all(np.isfinite(x)) for x in (qg, w, kg, u, aqk))
 
     gc = np.cumsum(g[0, :, 0], axis=0)
@@ -231,8 +231,7 @@ def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
 
     def outputs(live):
         return kda_intra.intra_stage(*inputs, jnp.array([live]), group=1, scale=0.3,
-                                     key_split=8, scores_num_warps=4, solve_num_warps=4,
-                                     interpret=True)
+                                     config=kda.ChunkConfig(), interpret=True)
 
     for both, first in zip(outputs(2), outputs(1)):  # qg, w, kg, u, aqk [HV, NC, ...], glast
         np.testing.assert_array_equal(first[:, 0], both[:, 0])

@@ -102,4 +102,3 @@ def paged_decode_attention(
                                    scale=scale)
     return paged_decode_attention_reference(q, k_pages, v_pages, page_tables, positions,
                                             scale=scale)
-

@@ -236,9 +236,8 @@ def chunk_kda_prefill(
     if (checkpoint_offsets is None) != (checkpoint_slots is None):
         raise ValueError("checkpoint_offsets and checkpoint_slots come together")
     block_v = min(config.block_v, V)
-    key_split = min(config.key_split, K)
-    if V % block_v or K % key_split:
-        raise ValueError(f"{V=} must be a multiple of {block_v=} and {K=} of {key_split=}")
+    if V % block_v:
+        raise ValueError(f"{V=} must be a multiple of {block_v=}")
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
 
@@ -250,9 +249,7 @@ def chunk_kda_prefill(
     q_c, k_c, v_c, g_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, v, g, beta))
 
     intra_out = intra_stage(q_c, k_c, v_c, g_c, beta_c, first_chunk[-1], group=group,
-                            scale=scale, key_split=key_split,
-                            scores_num_warps=config.scores_num_warps,
-                            solve_num_warps=config.solve_num_warps, interpret=interpret)
+                            scale=scale, config=config, interpret=interpret)
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
     o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,
                                  config=config, interpret=interpret)

@@ -36,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,9 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kernel_math import dot, dot_nt
+
+if TYPE_CHECKING:
+    from tokenspeed_jax.kernels.kda import ChunkConfig
 
 SUB_BLOCK = 16  # rows sharing one decay reference point; also Triton's smallest dot tile
 LOG2_E = 1.4426950408889634
@@ -208,12 +212,15 @@ def _column_slices(width: int):
 
 
 def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: float,
-                key_split: int, scores_num_warps: int, solve_num_warps: int, interpret: bool):
+                config: ChunkConfig, interpret: bool):
     """The per-chunk kernels over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
     g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]) of which the first ``live_chunks``
     (i32[1]) hold tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32
     (each chunk's total log decay), garbage past the live chunks."""
     num_chunks, C, HV, K = g_c.shape
+    key_split = min(config.key_split, K)
+    if K % key_split:
+        raise ValueError(f"{K=} must be a multiple of {key_split=}")
     V = v_c.shape[-1]
     precision = lax.Precision.HIGHEST if v_c.dtype == jnp.float32 else lax.Precision.DEFAULT
     exact = (lax.Precision.HIGHEST if interpret or v_c.dtype == jnp.float32
@@ -248,7 +255,7 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: f
         name="kda_chunk_cumsum",
     )(live_chunks, g_c)
     parts, aqk = pl.pallas_call(
-        functools.partial(scores_kernel, scale=scale, key_split=min(key_split, K),
+        functools.partial(scores_kernel, scale=scale, key_split=key_split,
                           precision=precision, exact=exact),
         grid=(num_chunks, HV, C // SUB_BLOCK),
         in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
@@ -256,7 +263,7 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: f
         out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
                                 lambda c, h, b: (h, c, b, 0))] * 2,
         out_shape=[chunked(C, jnp.float32), chunked(C)],
-        compiler_params=pallas_backend.compiler_params(num_warps=scores_num_warps,
+        compiler_params=pallas_backend.compiler_params(num_warps=config.scores_num_warps,
                                                        num_stages=1),
         interpret=interpret,
         name="kda_chunk_scores",
@@ -272,7 +279,7 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: f
                   chunk_spec(V, own_head), chunk_spec(K, own_head), beta_spec, out_spec(C)],
         out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V)],
         out_shape=[chunked(K), chunked(K), chunked(K), chunked(V)],
-        compiler_params=pallas_backend.compiler_params(num_warps=solve_num_warps,
+        compiler_params=pallas_backend.compiler_params(num_warps=config.solve_num_warps,
                                                        num_stages=1),
         interpret=interpret,
         name="kda_chunk_solve",

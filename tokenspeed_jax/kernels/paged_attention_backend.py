@@ -120,16 +120,17 @@ def kv_heads_split_problem(mesh: Mesh | None, num_kv_heads: int) -> str | None:
     return f"num_kv_heads={num_kv_heads} are replicated over {mesh.size} devices, not split"
 
 
-def shard_by_kv_head(op: Callable[..., jax.Array], mesh: Mesh, *,
-                     num_replicated: int) -> Callable[..., jax.Array]:
-    """``op(q, k_pages, v_pages, *metadata)`` run per shard under ``jax.shard_map``: q
-    ``[T, Hq, Dh]`` and the result split by head, pages ``[Hkv, ...]`` by KV head, the
-    ``num_replicated`` metadata arrays replicated. A device's query heads read only its own KV
-    heads, so there is no collective."""
-    heads, pages = parallel.head_spec(3), parallel.head_spec(4, axis=0)
-    return jax.shard_map(op, mesh=mesh,
-                         in_specs=(heads, pages, pages, *(PartitionSpec(),) * num_replicated),
-                         out_specs=heads, check_vma=False)
+def shard_by_kv_head(op: Callable[..., object], mesh: Mesh, *, ins: str,
+                     outs: str = "h") -> Callable[..., object]:
+    """``op`` run per shard under ``jax.shard_map``, its arguments and results laid out by one
+    letter each (``outs`` of one letter: a single result): ``h`` an activation ``[T, H, Dh]``
+    split by head, ``p`` pages ``[Hkv, ...]`` split by KV head, ``r`` replicated metadata. A
+    device's query heads read only its own KV heads, so there is no collective."""
+    specs = {"h": parallel.head_spec(3), "p": parallel.head_spec(4, axis=0), "r": PartitionSpec()}
+    out_specs = tuple(specs[kind] for kind in outs)
+    return jax.shard_map(op, mesh=mesh, in_specs=tuple(specs[kind] for kind in ins),
+                         out_specs=out_specs[0] if len(outs) == 1 else out_specs,
+                         check_vma=False)
 
 
 def pallas_runs(shape_problem: str | None, *, platform: str | None, mesh: Mesh | None,
@@ -198,5 +199,5 @@ def pallas_paged_decode(
     op = functools.partial(_pallas_op, block_h=kernel.block_h, pages_per_compute_block=block,
                            k_splits=k_splits, interpret=kernel.interpret)
     if kernel.mesh is not None:
-        op = shard_by_kv_head(op, kernel.mesh, num_replicated=2)
+        op = shard_by_kv_head(op, kernel.mesh, ins="hpprr")
     return op(scaled, k_pages, v_pages, tables, lengths).astype(q.dtype)

@@ -36,9 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec
 
-from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.attention import (
     paged_decode_attention,
@@ -47,7 +45,12 @@ from tokenspeed_jax.kernels.attention import (
 )
 from tokenspeed_jax.kernels.attention_ref import HIGHEST
 from tokenspeed_jax.kernels.kernel_math import LOG2E, online_softmax_step
-from tokenspeed_jax.kernels.paged_attention_backend import FUSED, REFERENCE_KERNEL, DecodeKernel
+from tokenspeed_jax.kernels.paged_attention_backend import (
+    FUSED,
+    REFERENCE_KERNEL,
+    DecodeKernel,
+    shard_by_kv_head,
+)
 
 
 def _decode_kernel(
@@ -163,7 +166,7 @@ def fused_paged_decode(
     width = page_tables.shape[1]
     tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, -width % pages_per_block)))
     precision = HIGHEST if k_pages.dtype == jnp.float32 else lax.Precision.DEFAULT
-    whole = pl.BlockSpec(memory_space=None)
+    whole = pl.BlockSpec()
     per_kv_head = pl.BlockSpec((pl.squeezed, num_pages, page_size, head_dim),
                                lambda b, h, s: (h, 0, 0, 0))
     if splits == 1:
@@ -228,9 +231,5 @@ def decode_attention_step(
                            pages_per_block=kernel.pages_per_compute_block,
                            splits=kernel.k_splits, interpret=kernel.interpret)
     if kernel.mesh is not None:
-        heads, pages = parallel.head_spec(3), parallel.head_spec(4, axis=0)
-        op = jax.shard_map(op, mesh=kernel.mesh,
-                           in_specs=(heads, heads, heads, pages, pages, PartitionSpec(),
-                                     PartitionSpec()),
-                           out_specs=(heads, pages, pages), check_vma=False)
+        op = shard_by_kv_head(op, kernel.mesh, ins="hhhpprr", outs="hpp")
     return op(q, k, v, k_pages, v_pages, page_tables, positions)

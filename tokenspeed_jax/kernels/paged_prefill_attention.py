@@ -363,7 +363,7 @@ def paged_prefill_attention(
         op = functools.partial(ragged_paged_prefill_attention, scale=scale,
                                blocks=kernel.blocks, interpret=kernel.interpret)
         if kernel.mesh is not None:
-            op = shard_by_kv_head(op, kernel.mesh, num_replicated=3)
+            op = shard_by_kv_head(op, kernel.mesh, ins="hpprrr")
         return op(q, k_pages, v_pages, page_tables, positions, work)
     return ragged_paged_prefill_attention_reference(q, k_pages, v_pages, page_tables,
                                                     token_request, positions, scale=scale)
