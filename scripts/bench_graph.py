@@ -8,8 +8,9 @@ Measures, for one model, and prints one table (and writes it as JSON with --out)
 * decode step time (ms) at each --decode-batches size, a whole ``ModelRunner.step`` (host
   metadata, the compiled step with attention and sampler inside, fetching the tokens), and
   the mean step of steps run ahead as the engine's overlap schedule runs them (each launched
-  before the previous step's tokens are fetched); both again with ``fused_decode_attention``
-  where the fused kernel runs (a GPU), side by side in the same run;
+  before the previous step's tokens are fetched), on the paged-attention op's route
+  (``fused_decode_attention`` off); both again on the fused kernel, the engine's default where it
+  runs (a GPU), for each of --fused-decode, side by side in the same run;
 * host time per segment dispatch (us): the enqueue time of the prefill plan over its calls,
   and a tiny executable called through ``Compiled.__call__`` and through the raw executable;
 * with --host-breakdown, only the parts of one decode step's host time (us) at each batch:
@@ -166,8 +167,8 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
 def decode_runner(model, batches: list[int], context: int,
                   fused: tuple[int, int] | None = None) -> ModelRunner:
     """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens
-    (with ``fused`` = (key splits, pages per key block), on the fused decode attention kernel
-    with those knobs)."""
+    on the op's route, or with ``fused`` = (most key splits, pages per key block) on the fused
+    decode attention kernel with those knobs."""
     top = max(batches)
     config = EngineConfig(
         prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
@@ -240,8 +241,10 @@ def bench_decode(model, batches: list[int], context: int, iters: int,
 
 
 def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[dict]:
-    """Median host microseconds of each part of a decode step, per batch (module docstring)."""
-    runner = decode_runner(model, batches, context)
+    """Median host microseconds of each part of a decode step, per batch (module docstring), on
+    the engine's default decode attention."""
+    runner = decode_runner(model, batches, context,
+                           (FUSED_KERNEL.k_splits, FUSED_KERNEL.pages_per_compute_block))
     rows = []
     for batch in batches:
         requests = decode_requests(batch, context)
@@ -317,8 +320,8 @@ def main() -> None:
                         help="tokens already in each decoding request's KV pages")
     parser.add_argument("--fused-decode", default=f"{FUSED_KERNEL.k_splits}x"
                                                   f"{FUSED_KERNEL.pages_per_compute_block}",
-                        help="fused decode attention runs, comma-separated SPLITSxPAGES (key "
-                             "splits x pages per key block); each is one more decode runner, "
+                        help="fused decode attention runs, comma-separated SPLITSxPAGES (most "
+                             "key splits x pages per key block); each is one more decode runner, "
                              "GPU only")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-iters", type=int, default=2)

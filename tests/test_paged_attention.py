@@ -32,9 +32,11 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     pallas_unsupported_reason,
 )
 from tokenspeed_jax.kernels.paged_decode import (
+    FILL_PROGRAMS,
     decode_attention_step,
     fused_paged_decode,
     fused_paged_decode_reference,
+    fused_split_count,
 )
 
 PAGE = 4
@@ -191,6 +193,37 @@ def test_fused_decode_in_bfloat16():
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
 
 
+def test_fused_split_count_fills_the_gpu_at_small_batches():
+    """Hand-computed against FILL_PROGRAMS = 128: the fewest splits (at most 4) that reach 128
+    (request, KV head, split) programs."""
+    assert FILL_PROGRAMS == 128
+    assert fused_split_count(1, 8, 4) == 4  # 8 programs: capped at 4 splits
+    assert fused_split_count(8, 3, 4) == 4  # 24: 6 would fill, capped
+    assert fused_split_count(32, 3, 4) == 2  # 96: 2 splits make 192
+    assert fused_split_count(32, 8, 4) == 1  # 256 already
+    assert fused_split_count(1, 8, 1) == 1
+
+
+def test_fused_decode_step_splits_small_batches():
+    """At 4 requests and 3 KV heads the fused step takes 4 splits and merges them (the merge's
+    exp2 appears beside the one pallas_call); its output and pages match the reference route."""
+    rng = np.random.default_rng(2)
+    k_pages, v_pages = cache(rng, 3, 16)
+    q = jnp.asarray(rng.standard_normal((4, 9, 16)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((4, 3, 16)), jnp.float32) for _ in "kv")
+    args = (q, k_new, v_new, k_pages, v_pages, jnp.asarray(TABLES), jnp.asarray(POSITIONS),
+            jnp.asarray(slots_of(TABLES, POSITIONS), jnp.int32))
+    kernel = DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=4, interpret=True)
+    step = functools.partial(decode_attention_step, scale=SCALE, kernel=kernel)
+    names = _primitives(jax.make_jaxpr(step)(*args).jaxpr)
+    assert names.count("pallas_call") == 1 and "exp2" in names
+    got = step(*args)
+    want = decode_attention_step(*args, scale=SCALE)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-5)
+    for got_pages, want_pages in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(got_pages), np.asarray(want_pages))
+
+
 def test_write_kv_drops_padding_slots():
     k_pages = jnp.zeros((2, 3, PAGE, 4), jnp.float32)
     new = jnp.arange(3 * 2 * 4, dtype=jnp.float32).reshape(3, 2, 4) + 1
@@ -215,12 +248,13 @@ def test_backend_choice_is_static_and_declared():
         DecodeKernel(PALLAS, block_h=8)
     fused = choose_decode_kernel(head_dim=64, page_size=16, dtype=jnp.bfloat16, platform="gpu",
                                  fused=True)
-    assert (fused.backend, fused.k_splits) == (FUSED, 1)
+    assert (fused.backend, fused.k_splits) == (FUSED, 4)
     assert choose_decode_kernel(head_dim=64, page_size=16, dtype=jnp.bfloat16, platform="cpu",
                                 fused=True).backend == REFERENCE
-    # The fused kernel's 4 pages of 2 tokens make an 8-key block, below Triton's dot minimum.
+    # The fused kernel's 4 pages of 2 tokens make an 8-key block, below Triton's dot minimum;
+    # the op's 8 pages make 16.
     assert choose_decode_kernel(head_dim=64, page_size=2, dtype=jnp.bfloat16, platform="gpu",
-                                fused=True).backend == REFERENCE
+                                fused=True).backend == PALLAS
     with pytest.raises(ValueError, match="'fused'"):
         DecodeKernel("fast")
 
@@ -231,7 +265,7 @@ def _sharded_fused_decode(mesh_size: int) -> dict:
     from tokenspeed_jax import parallel
 
     mesh = parallel.make_mesh(mesh_size)
-    kernel = DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=1, interpret=True,
+    kernel = DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=4, interpret=True,
                           mesh=mesh)
     rng = np.random.default_rng(mesh_size)
     k_pages, v_pages = cache(rng, 4, 16)

@@ -185,8 +185,9 @@ def _decode_kernel(mesh_size: int) -> dict:
             "devices": len(got.sharding.device_set)}
 
 
-def _llama_pallas_decode(tp: int) -> dict:
-    """tiny_llama (2 KV heads) through LLM with the Pallas decode op per shard (interpreted)."""
+def _llama_pallas_decode(tp: int, fused: bool = True) -> dict:
+    """tiny_llama (2 KV heads) through LLM with Pallas decode attention per shard (interpreted):
+    the fused kernel (the default) or, without ``fused``, JAX's op."""
     import dataclasses
 
     from tokenspeed_jax import LLM, SamplingParams
@@ -198,7 +199,8 @@ def _llama_pallas_decode(tp: int) -> dict:
         return dataclasses.replace(kernel, pages_per_compute_block=2, k_splits=2, interpret=True)
 
     model_runner.choose_decode_kernel = pallas_kernel
-    llm = LLM(str(GOLDEN / "tiny_llama"), tensor_parallel_size=tp, **{**ENGINE, "page_size": 8})
+    llm = LLM(str(GOLDEN / "tiny_llama"), tensor_parallel_size=tp, fused_decode_attention=fused,
+              **{**ENGINE, "page_size": 8})
     completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
                                                              logprobs=0, ignore_eos=True))
     kernel = llm.runner.decode_kernel
@@ -229,7 +231,8 @@ def _worker(mode: str) -> dict:
             return f"{kernel.backend} {0 if kernel.mesh is None else kernel.mesh.size}"
 
         return {"kernel": _decode_kernel(2), "choice": {"8": choice(8), "2": choice(2)},
-                "llama": {tp: _llama_pallas_decode(tp) for tp in (1, 2)}}
+                "llama": {tp: _llama_pallas_decode(tp) for tp in (1, 2)},
+                "llama_op": _llama_pallas_decode(2, fused=False)}
     raise ValueError(f"unknown worker mode {mode!r}")
 
 
@@ -318,11 +321,13 @@ def test_replicated_kv_heads_take_the_reference_decode_declared_at_start_up(deco
 
 
 def test_pallas_decode_attention_in_the_tp2_runner(decode):
-    one, two = decode["llama"]["1"], decode["llama"]["2"]
-    assert one["backend"] == two["backend"] == "pallas"
-    assert [one["kernel_devices"], two["kernel_devices"]] == [0, 2]
-    assert_same_run(two, one, "tiny_llama tp=2, Pallas decode per shard")
-    for run in (one, two):
+    """The fused kernel (the default) on 1 and 2 devices, and JAX's op on 2: the same run."""
+    one, two, op = decode["llama"]["1"], decode["llama"]["2"], decode["llama_op"]
+    assert one["backend"] == two["backend"] == "fused" and op["backend"] == "pallas"
+    assert [one["kernel_devices"], two["kernel_devices"], op["kernel_devices"]] == [0, 2, 2]
+    assert_same_run(two, one, "tiny_llama tp=2, fused decode per shard")
+    assert_same_run(op, one, "tiny_llama tp=2, Pallas op per shard")
+    for run in (one, two, op):
         assert run["decode_runs"] > 0 and run["runtime_compiles"] == 0
 
 

@@ -54,9 +54,9 @@ class EngineConfig:
     # whose prefill is dispatch-bound; the whole forward compiles per bucket (Llama-family models).
     inline_prefill_attention: bool = False
     # Decode attention on a GPU as one Pallas kernel per layer that also writes the step's K/V
-    # (``kernels/paged_decode.py``), instead of two scatters and JAX's paged-attention op
+    # (``kernels/paged_decode.py``); off: two scatters and JAX's paged-attention op
     # (Llama-family models).
-    fused_decode_attention: bool = False
+    fused_decode_attention: bool = True
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
     # Keep compiled executables on disk and load them on the next start instead of compiling.
@@ -145,8 +145,11 @@ class EngineConfig:
 
 def warn_inapplicable(config: EngineConfig, names: Sequence[str], runner: str,
                       log: logging.Logger) -> None:
-    """Log each boolean setting of ``names`` that is on although ``runner`` (the model family's
-    runner) has no such route, so a flag given for another family is not silently dropped."""
+    """Log each setting of ``names`` that differs from its default although ``runner`` (the model
+    family's runner) has no such route, so a flag given for another family is not silently
+    dropped."""
+    defaults = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
     for name in names:
-        if getattr(config, name):
-            log.warning("%s=True does not apply to %s: ignored", name, runner)
+        value = getattr(config, name)
+        if value != defaults[name]:
+            log.warning("%s=%s does not apply to %s: ignored", name, value, runner)

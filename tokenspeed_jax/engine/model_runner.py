@@ -10,9 +10,9 @@ Routes, chosen per step from static configuration and the step's sizes:
   array, a row per sequence), and reads a row's input token from the previous
   step's board when ``StepRequest.token_row`` asks: so ``launch`` can leave a decode step
   running, and the engine can launch the next one before the tokens reach the host.
-  Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (the
-  Pallas op on a GPU, or with ``fused_decode_attention`` the kernel that also writes the step's
-  K/V), so its cost follows the live context, not ``max_model_len``.
+  Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (on a
+  GPU the fused kernel that also writes the step's K/V, or with ``fused_decode_attention`` off
+  the Pallas op), so its cost follows the live context, not ``max_model_len``.
 * **Mixed steps** (some requests decode, others prefill) run as two: the decode rows on the
   decode graph and the rest on the prefill graph, the sampled rows joined back in batch order
   (counted as ``mixed_splits``). On the prefill graph alone, every decode row would cost a

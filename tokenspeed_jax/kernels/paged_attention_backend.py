@@ -82,8 +82,9 @@ class DecodeKernel:
 
 
 REFERENCE_KERNEL = DecodeKernel(REFERENCE)
-# The fused kernel's knobs: no key splits (each split beyond one costs a merge op per layer).
-FUSED_KERNEL = DecodeKernel(FUSED, pages_per_compute_block=4, k_splits=1)
+# The fused kernel's knobs. It splits a request's pages only at small batches, up to k_splits
+# (paged_decode.fused_split_count).
+FUSED_KERNEL = DecodeKernel(FUSED, pages_per_compute_block=4, k_splits=4)
 
 
 def pallas_unsupported_reason(*, head_dim: int, page_size: int, dtype: jnp.dtype,
@@ -152,18 +153,31 @@ def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
                          platform: str | None = None, mesh: Mesh | None = None,
                          num_kv_heads: int = 1, fused: bool = False) -> DecodeKernel:
     """The decode kernel for this platform (default: JAX's default backend) and cache shape:
-    the fused kernel with ``fused``, else JAX's op.
+    the fused kernel with ``fused``, else (or where the fused kernel cannot read the cache, with
+    the reason logged) JAX's op.
 
     With a ``mesh`` (the cache split by KV head over it) the kernel runs per shard; a cache that
     replicates its ``num_kv_heads`` over more devices takes the reference (module docstring).
     """
-    chosen = FUSED_KERNEL if fused else DecodeKernel(PALLAS)
-    problem = pallas_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype,
-                                        kernel=chosen)
+    shape = {"head_dim": head_dim, "page_size": page_size, "dtype": dtype}
+    chosen = DecodeKernel(PALLAS)
+    if fused:
+        fused_problem = pallas_unsupported_reason(**shape, kernel=FUSED_KERNEL)
+        if fused_problem is None:
+            chosen = FUSED_KERNEL
+        elif (platform or jax.default_backend()) == "gpu":
+            _log_op_once(fused_problem)
+    problem = pallas_unsupported_reason(**shape, kernel=chosen)
     if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
                        log=_log_reference_once):
         return REFERENCE_KERNEL
     return dataclasses.replace(chosen, mesh=mesh)
+
+
+@functools.cache
+def _log_op_once(reason: str) -> None:
+    logger.warning("decode attention uses JAX's paged-attention op: the fused kernel cannot run "
+                   "here: %s", reason)
 
 
 @functools.cache
