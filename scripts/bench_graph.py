@@ -56,6 +56,8 @@ from tokenspeed_jax.sampling_params import SamplingParams
 
 PAGE_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)
+# (most key splits, pages per key block) of the engine's default decode attention on a GPU
+DEFAULT_FUSED = (FUSED_KERNEL.k_splits, FUSED_KERNEL.pages_per_compute_block)
 SHAPES = {
     "smollm2": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -243,8 +245,7 @@ def bench_decode(model, batches: list[int], context: int, iters: int,
 def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[dict]:
     """Median host microseconds of each part of a decode step, per batch (module docstring), on
     the engine's default decode attention."""
-    runner = decode_runner(model, batches, context,
-                           (FUSED_KERNEL.k_splits, FUSED_KERNEL.pages_per_compute_block))
+    runner = decode_runner(model, batches, context, DEFAULT_FUSED)
     rows = []
     for batch in batches:
         requests = decode_requests(batch, context)
@@ -318,8 +319,7 @@ def main() -> None:
     parser.add_argument("--decode-batches", default="1,8,32,128")
     parser.add_argument("--decode-context", type=int, default=512,
                         help="tokens already in each decoding request's KV pages")
-    parser.add_argument("--fused-decode", default=f"{FUSED_KERNEL.k_splits}x"
-                                                  f"{FUSED_KERNEL.pages_per_compute_block}",
+    parser.add_argument("--fused-decode", default="{}x{}".format(*DEFAULT_FUSED),
                         help="fused decode attention runs, comma-separated SPLITSxPAGES (most "
                              "key splits x pages per key block); each is one more decode runner, "
                              "GPU only")

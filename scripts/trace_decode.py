@@ -8,7 +8,7 @@ per step and its largest events per step: on a GPU the kernels by name (e.g. a s
 (``perfetto_trace.json.gz``) is copied to --out for a closer look in Perfetto. With --run-ahead
 the steps run as the engine's overlap schedule runs them: each one is launched (``launch``, its
 input tokens read from the previous step's token board) before the previous step's tokens are
-fetched.
+fetched. Decode attention is the engine's default (the fused kernel on a GPU) unless --op-route.
 
     python scripts/trace_decode.py --model llama8b-shape --decode-batches 1,32 --out traces/
     python scripts/trace_decode.py --model smollm2 --decode-batches 1 --run-ahead --out traces/
@@ -92,10 +92,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="copy each raw trace and a summary JSON here")
     parser.add_argument("--run-ahead", action="store_true",
                         help="launch each step before fetching the previous one's tokens")
+    parser.add_argument("--op-route", action="store_true",
+                        help="decode attention on JAX's paged-attention op instead of the fused "
+                             "kernel (the default)")
     args = parser.parse_args()
     batches = [int(b) for b in args.decode_batches.split(",")]
     model = bench_graph.load_model(args.model, args.dtype, random_weights=True)
-    runner = bench_graph.decode_runner(model, batches, args.decode_context)
+    runner = bench_graph.decode_runner(model, batches, args.decode_context,
+                                       None if args.op_route else bench_graph.DEFAULT_FUSED)
     report = {}
     for batch in batches:
         rows = trace_steps(runner, batch, args.decode_context, args.steps, args.out,
