@@ -220,17 +220,15 @@ def bench_decode(model, batches: list[int], context: int, iters: int,
     runners = {"": decode_runner(model, batches, context)}
     if choose_decode_kernel(head_dim=model.config.head_dim, page_size=PAGE_SIZE,
                             dtype=model.dtype, fused=True).backend == FUSED:
-        runners |= {f"fused{splits}x{pages}_": decode_runner(model, batches, context,
-                                                               (splits, pages))
-                    for splits, pages in fused}
+        runners |= {fused_prefix(knobs): decode_runner(model, batches, context, knobs)
+                    for knobs in fused}
     rows = []
     ahead_steps = 5 * iters
     for batch in batches:
         requests = decode_requests(batch, context)
         step = StepBatch(requests)
         row = {"batch": batch, "context": context}
-        row |= {f"fused{splits}x{pages}_{name}": None for splits, pages in fused
-                for name in ("step_ms", "run_ahead_step_ms")}
+        row |= dict.fromkeys(fused_columns(fused))
         for prefix, runner in runners.items():
             seconds = timed(lambda step=step, runner=runner: runner.step(step), iters, warmup=2)
             ahead = timed(lambda r=requests, runner=runner: run_ahead_steps(runner, r,
@@ -240,6 +238,17 @@ def bench_decode(model, batches: list[int], context: int, iters: int,
         rows.append(row)
     assert all(runner.stats()["runtime_compiles"] == 0 for runner in runners.values())
     return rows
+
+
+def fused_prefix(knobs: tuple[int, int]) -> str:
+    """The column prefix of a fused-kernel decode run with ``knobs`` (splits, pages)."""
+    return "fused{}x{}_".format(*knobs)
+
+
+def fused_columns(fused: list[tuple[int, int]]) -> list[str]:
+    """Every decode column of the fused runs ``fused``, None where the kernel does not run."""
+    return [fused_prefix(knobs) + name for knobs in fused
+            for name in ("step_ms", "run_ahead_step_ms")]
 
 
 def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[dict]:
@@ -368,14 +377,13 @@ def main() -> None:
               f"{r['whole_jit_tok_s']:>16.0f} {r['eager_tok_s']:>12.0f} "
               f"{r['segmented_vs_jit']:>12.3f} {r['inline_vs_jit']:>15.3f} "
               f"{r['full_step_ms']:>12.2f}")
-    fused_columns = [f"fused{splits}x{pages}_{name}" for splits, pages in fused
-                     for name in ("step_ms", "run_ahead_step_ms")]
+    columns = fused_columns(fused)
     print(f"{'decode batch':>14} {'step ms':>16} {'run-ahead ms':>16}"
           + "".join(f" {name.removesuffix('_ms').replace('run_ahead_step', 'ahead'):>16}"
-                    for name in fused_columns) + f"   (context {args.decode_context}, ms)")
+                    for name in columns) + f"   (context {args.decode_context}, ms)")
     for r in decode:
         cells = "".join(f" {'-':>16}" if r[name] is None else f" {r[name]:>16.3f}"
-                        for name in fused_columns)
+                        for name in columns)
         print(f"{r['batch']:>14} {r['step_ms']:>16.3f} {r['run_ahead_step_ms']:>16.3f}{cells}")
     print(f"{'plan tokens':>14} {'calls':>16} {'host us / call':>16}")
     for r in dispatch:

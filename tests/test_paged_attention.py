@@ -149,20 +149,25 @@ def _primitives(jaxpr) -> list[str]:
     return names
 
 
+def decode_step_inputs(rng, num_q_heads: int, num_kv_heads: int) -> tuple:
+    """``decode_attention_step``'s arguments for TABLES and POSITIONS (head size 16): q, the
+    step's k and v, the pages, then the page tables, positions and slots."""
+    k_pages, v_pages = cache(rng, num_kv_heads, 16)
+    q = jnp.asarray(rng.standard_normal((4, num_q_heads, 16)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((4, num_kv_heads, 16)), jnp.float32)
+                    for _ in "kv")
+    return (q, k_new, v_new, k_pages, v_pages, jnp.asarray(TABLES), jnp.asarray(POSITIONS),
+            jnp.asarray(slots_of(TABLES, POSITIONS), jnp.int32))
+
+
 def test_fused_decode_step_is_one_kernel_without_scatters():
     """A decode layer's attention on the fused kernel: one pallas_call and no scatter (the
     unfused route scatters K and V before its kernel)."""
-    rng = np.random.default_rng(1)
-    k_pages, v_pages = cache(rng, 3, 16)
-    q = jnp.asarray(rng.standard_normal((4, 9, 16)), jnp.float32)
-    k_new = v_new = jnp.asarray(rng.standard_normal((4, 3, 16)), jnp.float32)
-    metadata = (jnp.asarray(TABLES), jnp.asarray(POSITIONS),
-                jnp.asarray(slots_of(TABLES, POSITIONS), jnp.int32))
+    args = decode_step_inputs(np.random.default_rng(1), 9, 3)
 
     def primitives(kernel):
         step = functools.partial(decode_attention_step, scale=SCALE, kernel=kernel)
-        return _primitives(jax.make_jaxpr(step)(q, k_new, v_new, k_pages, v_pages,
-                                                *metadata).jaxpr)
+        return _primitives(jax.make_jaxpr(step)(*args).jaxpr)
 
     fused = primitives(DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=1,
                                     interpret=True))
@@ -207,12 +212,7 @@ def test_fused_split_count_fills_the_gpu_at_small_batches():
 def test_fused_decode_step_splits_small_batches():
     """At 4 requests and 3 KV heads the fused step takes 4 splits and merges them (the merge's
     exp2 appears beside the one pallas_call); its output and pages match the reference route."""
-    rng = np.random.default_rng(2)
-    k_pages, v_pages = cache(rng, 3, 16)
-    q = jnp.asarray(rng.standard_normal((4, 9, 16)), jnp.float32)
-    k_new, v_new = (jnp.asarray(rng.standard_normal((4, 3, 16)), jnp.float32) for _ in "kv")
-    args = (q, k_new, v_new, k_pages, v_pages, jnp.asarray(TABLES), jnp.asarray(POSITIONS),
-            jnp.asarray(slots_of(TABLES, POSITIONS), jnp.int32))
+    args = decode_step_inputs(np.random.default_rng(2), 9, 3)
     kernel = DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=4, interpret=True)
     step = functools.partial(decode_attention_step, scale=SCALE, kernel=kernel)
     names = _primitives(jax.make_jaxpr(step)(*args).jaxpr)
@@ -267,12 +267,8 @@ def _sharded_fused_decode(mesh_size: int) -> dict:
     mesh = parallel.make_mesh(mesh_size)
     kernel = DecodeKernel(FUSED, pages_per_compute_block=2, k_splits=4, interpret=True,
                           mesh=mesh)
-    rng = np.random.default_rng(mesh_size)
-    k_pages, v_pages = cache(rng, 4, 16)
-    q = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
-    k_new, v_new = (jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32) for _ in "kv")
-    metadata = (jnp.asarray(TABLES), jnp.asarray(POSITIONS),
-                jnp.asarray(slots_of(TABLES, POSITIONS), jnp.int32))
+    q, k_new, v_new, k_pages, v_pages, *metadata = decode_step_inputs(
+        np.random.default_rng(mesh_size), 8, 4)
     want = decode_attention_step(q, k_new, v_new, k_pages, v_pages, *metadata, scale=SCALE)
     heads, pages = (jax.NamedSharding(mesh, parallel.head_spec(3)),
                     jax.NamedSharding(mesh, parallel.head_spec(4, axis=0)))

@@ -134,13 +134,18 @@ def shard_by_kv_head(op: Callable[..., object], mesh: Mesh, *, ins: str,
                          check_vma=False)
 
 
+def on_gpu(platform: str | None) -> bool:
+    """Whether ``platform`` (default: JAX's default backend) is a GPU, where the kernels run."""
+    return (platform or jax.default_backend()) == "gpu"
+
+
 def pallas_runs(shape_problem: str | None, *, platform: str | None, mesh: Mesh | None,
                 num_kv_heads: int, log: Callable[[str], None]) -> bool:
     """The rule both attention kernels are chosen by: the Pallas kernel runs on a GPU
     (``platform``, default JAX's default backend) for a cache shape it supports
     (``shape_problem`` is None) whose KV heads split over ``mesh``. Otherwise the reference runs;
     on a GPU, ``log`` gets the reason."""
-    if (platform or jax.default_backend()) != "gpu":
+    if not on_gpu(platform):
         return False
     reason = shape_problem or kv_heads_split_problem(mesh, num_kv_heads)
     if reason is not None:
@@ -165,7 +170,7 @@ def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
         fused_problem = pallas_unsupported_reason(**shape, kernel=FUSED_KERNEL)
         if fused_problem is None:
             chosen = FUSED_KERNEL
-        elif (platform or jax.default_backend()) == "gpu":
+        elif on_gpu(platform):
             _log_op_once(fused_problem)
     problem = pallas_unsupported_reason(**shape, kernel=chosen)
     if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
