@@ -199,8 +199,10 @@ def test_per_chunk_kernels_match_numpy_under_strong_decay():
     g = -rng.uniform(0.0, 1.0, (1, chunk, 1, width))
     g[0, [2, 9, 21, 40], 0, :] = -100.0
     beta = rng.uniform(0.05, 1.0, (1, chunk, 1))
+    q_c, k_c, v_t, g_t, beta_c = (jnp.asarray(x, jnp.float32) for x in (
+        q, k, v.reshape(chunk, 1, width), g.reshape(chunk, 1, width), beta))
     qg, w, kg, u, aqk, glast = kda_intra.intra_stage(
-        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), jnp.array([1]), group=1,
+        q_c, k_c, v_t, g_t, beta_c, jnp.arange(chunk)[None], jnp.array([1]), group=1,
         scale=scale, config=kda.ChunkConfig(), interpret=True)
     assert all(np.all(np.isfinite(x)) for x in (qg, w, kg, u, aqk))
 
@@ -227,7 +229,9 @@ def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
     v = rng.standard_normal((2, 64, 1, 32))
     g = -rng.uniform(0.0, 1.0, (2, 64, 1, 32))
     beta = rng.uniform(0.05, 1.0, (2, 64, 1))
-    inputs = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta))
+    inputs = tuple(jnp.asarray(x, jnp.float32) for x in (
+        q, k, v.reshape(128, 1, 32), g.reshape(128, 1, 32), beta)) + (
+        jnp.arange(128).reshape(2, 64),)
 
     def outputs(live):
         return kda_intra.intra_stage(*inputs, jnp.array([live]), group=1, scale=0.3,

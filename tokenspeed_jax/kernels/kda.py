@@ -246,9 +246,9 @@ def chunk_kda_prefill(
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     num_chunks = pl.cdiv(T, CHUNK_SIZE) + num_requests
     token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)
-    q_c, k_c, v_c, g_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, v, g, beta))
+    q_c, k_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, beta))
 
-    intra_out = intra_stage(q_c, k_c, v_c, g_c, beta_c, first_chunk[-1], group=group,
+    intra_out = intra_stage(q_c, k_c, v, g, beta_c, token_of_row, first_chunk[-1], group=group,
                             scale=scale, config=config, interpret=interpret)
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
     o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,

@@ -28,6 +28,10 @@ Invariants:
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
   squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
+- v and g are read where they lie ([T, HV, *]): the cumsum and solve kernels take a chunk's
+  rows through its token indices (clamped into the array, padding rows zeroed), which saves
+  gathering them into chunks. q, k and beta arrive chunked (q and k are L2-normalised by XLA
+  first, so that pass writes them anyway).
 - gc is formed once, by its own kernel: XLA's cumsum (an associative scan that fuses with the
   chunk gather and recomputes) cost more than both other kernels' loads of gc, and a scan inside
   the scores and solve kernels slowed them by half.
@@ -93,12 +97,23 @@ def block_pairs(q, k, gc):
     return tuple(jnp.sum(x[:, None, :] * decayed, axis=0) for x in (k, q))
 
 
-def cumsum_kernel(live_ref, g_ref, gc_ref):
-    """gc = the cumulative sum of g ([C, K] fp32 log decay) over the chunk's rows."""
+def token_rows(ref, tokens, head: jax.Array, cols=slice(None)) -> jax.Array:
+    """One chunk's rows of ``ref [T, HV, width]`` for ``head``: token ``tokens[i]`` (i32[C]) in
+    row i, zeros where ``tokens[i] == T`` (padding). The index is clamped first, so no load
+    leaves the array in either the compiled kernel or the interpreter."""
+    num_tokens = ref.shape[0]
+    rows = ref[jnp.minimum(tokens, num_tokens - 1), head, cols]
+    return jnp.where((tokens < num_tokens)[:, None], rows, 0)
+
+
+def cumsum_kernel(live_ref, tokens_ref, g_ref, gc_ref):
+    """gc = the cumulative sum of the chunk's rows of g ([T, HV, K] fp32 log decay) for this
+    program's value head."""
+    head = pl.program_id(1)
 
     @pl.when(chunk_is_live(live_ref))
     def _():
-        gc_ref[...] = jnp.cumsum(g_ref[...], axis=0)
+        gc_ref[...] = jnp.cumsum(token_rows(g_ref, tokens_ref[...], head), axis=0)
 
 
 def score_rows(
@@ -155,9 +170,11 @@ def score_rows(
 
 
 def solve_chunk(
+    head,  # this program's value head
+    tokens_ref,  # i32[C]: the token of each chunk row (T: padding)
     q_ref,  # [C, K]
     k_ref,  # [C, K]
-    v_ref,  # [C, V]
+    v_ref,  # [T, HV, V]: every token's values
     gc_ref,  # [C, K] fp32
     beta_ref,  # [C]
     parts_ref,  # [C, C] fp32, M + (I + D)^-1
@@ -181,9 +198,10 @@ def solve_chunk(
     t_mat = exact_dot(nilpotent_inverse(across, chunk // SUB_BLOCK, exact_dot),
                       jnp.where(row_block == col_block, parts, 0.0))
 
-    for cols in _column_slices(v_ref.shape[1]):
-        u_ref[:, cols] = dot(t_mat, v_ref[:, cols].astype(f32) * beta, precision).astype(
-            u_ref.dtype)
+    tokens = tokens_ref[...]
+    for cols in _column_slices(v_ref.shape[-1]):
+        v = token_rows(v_ref, tokens, head, cols).astype(f32)
+        u_ref[:, cols] = dot(t_mat, v * beta, precision).astype(u_ref.dtype)
     for keys in _column_slices(k_ref.shape[1]):
         gc = gc_ref[:, keys]
         k = k_ref[:, keys].astype(f32)
@@ -200,8 +218,9 @@ def scores_kernel(live_ref, *refs, **params):
 
 
 def solve_kernel(live_ref, *refs, **params):
-    """``solve_chunk`` for a live chunk."""
-    pl.when(chunk_is_live(live_ref))(lambda: solve_chunk(*refs, **params))
+    """``solve_chunk`` for a live chunk; the head id is read here, outside the branch."""
+    head = pl.program_id(1)
+    pl.when(chunk_is_live(live_ref))(lambda: solve_chunk(head, *refs, **params))
 
 
 def _column_slices(width: int):
@@ -211,21 +230,22 @@ def _column_slices(width: int):
     return [pl.ds(first, step) for first in range(0, width, step)]
 
 
-def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: float,
+def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scale: float,
                 config: ChunkConfig, interpret: bool):
-    """The per-chunk kernels over chunked inputs (q_c, k_c [NC, C, H, K]; v_c [NC, C, HV, V];
-    g_c [NC, C, HV, K] log gate; beta_c [NC, C, HV]) of which the first ``live_chunks``
-    (i32[1]) hold tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32
-    (each chunk's total log decay), garbage past the live chunks."""
-    num_chunks, C, HV, K = g_c.shape
+    """The per-chunk kernels over chunked q_c, k_c [NC, C, H, K] and beta_c [NC, C, HV], and
+    v [T, HV, V] and the log gate g [T, HV, K] read in place through ``tokens`` (i32[NC, C], the
+    token of each chunk row, T for padding), of which the first ``live_chunks`` (i32[1]) hold
+    tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32 (each chunk's
+    total log decay), garbage past the live chunks."""
+    (num_chunks, C), (_, HV, K) = tokens.shape, g.shape
     key_split = min(config.key_split, K)
     if K % key_split:
         raise ValueError(f"{K=} must be a multiple of {key_split=}")
-    V = v_c.shape[-1]
-    precision = lax.Precision.HIGHEST if v_c.dtype == jnp.float32 else lax.Precision.DEFAULT
-    exact = (lax.Precision.HIGHEST if interpret or v_c.dtype == jnp.float32
+    V = v.shape[-1]
+    precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
+    exact = (lax.Precision.HIGHEST if interpret or v.dtype == jnp.float32
              else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-    dot_dtype = jnp.float32 if v_c.dtype == jnp.float32 else jnp.bfloat16
+    dot_dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
     squeezed = pl.squeezed
 
     def chunk_spec(width, head_of):
@@ -243,17 +263,20 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: f
 
     beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h, *_: (c, 0, h))
     live_spec = pl.BlockSpec(index_map=lambda *_: (0,))
+    tokens_spec = pl.BlockSpec((squeezed, C), lambda c, *_: (c, 0))
+    whole = pl.BlockSpec()
     live_chunks = live_chunks.astype(jnp.int32).reshape(1)
+    tokens = tokens.astype(jnp.int32)
     gc = pl.pallas_call(
         cumsum_kernel,
         grid=(num_chunks, HV),
-        in_specs=[live_spec, chunk_spec(K, own_head)],
+        in_specs=[live_spec, tokens_spec, whole],
         out_specs=chunk_spec(K, own_head),
-        out_shape=jax.ShapeDtypeStruct(g_c.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((num_chunks, C, HV, K), jnp.float32),
         compiler_params=pallas_backend.compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kda_chunk_cumsum",
-    )(live_chunks, g_c)
+    )(live_chunks, tokens, g.astype(jnp.float32))
     parts, aqk = pl.pallas_call(
         functools.partial(scores_kernel, scale=scale, key_split=key_split,
                           precision=precision, exact=exact),
@@ -275,13 +298,14 @@ def intra_stage(q_c, k_c, v_c, g_c, beta_c, live_chunks, *, group: int, scale: f
     qg, w, kg, u = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale, precision=precision, exact=exact),
         grid=(num_chunks, HV),
-        in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
-                  chunk_spec(V, own_head), chunk_spec(K, own_head), beta_spec, out_spec(C)],
+        in_specs=[live_spec, tokens_spec, chunk_spec(K, shared_head),
+                  chunk_spec(K, shared_head), whole, chunk_spec(K, own_head), beta_spec,
+                  out_spec(C)],
         out_specs=[out_spec(K), out_spec(K), out_spec(K), out_spec(V)],
         out_shape=[chunked(K), chunked(K), chunked(K), chunked(V)],
         compiler_params=pallas_backend.compiler_params(num_warps=config.solve_num_warps,
                                                        num_stages=1),
         interpret=interpret,
         name="kda_chunk_solve",
-    )(live_chunks, q_c, k_c, v_c, gc, beta_c, parts)
+    )(live_chunks, tokens, q_c, k_c, v, gc, beta_c, parts)
     return qg, w, kg, u, aqk, jnp.transpose(gc[:, -1], (1, 0, 2))
