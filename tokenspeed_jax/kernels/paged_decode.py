@@ -64,9 +64,7 @@ FILL_PROGRAMS = 128
 def _decode_kernel(
     positions_ref,  # i32[B]
     page_tables_ref,  # i32[B, P], P a multiple of pages_per_block
-    q_ref,  # [B, Hq, Dh]
-    k_ref,  # [B, Hkv, Dh]: this step's keys
-    v_ref,  # [B, Hkv, Dh]
+    qkv_ref,  # [B, Hkv, group + 2, Dh]: per KV head its group's queries, then its key and value
     k_pages_ref,  # [num_pages, page_size, Dh]: this program's KV head, aliased with k_out_ref
     v_pages_ref,  # [num_pages, page_size, Dh]
     *refs,  # with rotary: cos, sin [B, Dh] fp32; then the results: splits == 1: o [B, Hq, Dh],
@@ -83,21 +81,22 @@ def _decode_kernel(
     *result_refs, k_out_ref, v_out_ref = out_refs
     request, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
-    head_dim = q_ref.shape[-1]
+    head_dim = qkv_ref.shape[-1]
     page_size = k_pages_ref.shape[1]
     block_k = pages_per_block * page_size
     position = positions_ref[request]
     cached = jnp.maximum(position, 0)  # keys 0..position-1 come from the pages
-    heads = kv_head * group + jnp.minimum(lax.iota(jnp.int32, block_h), group - 1)
-    q = q_ref[request, heads, :]  # [block_h, Dh]
-    k_new = k_ref[request, kv_head, :]
-    v_new = v_ref[request, kv_head, :]
+    in_group = jnp.minimum(lax.iota(jnp.int32, block_h), group - 1)
+    heads = kv_head * group + in_group  # the query heads, as the output numbers them
+    q = qkv_ref[request, kv_head, in_group, :]  # [block_h, Dh]
+    k_new = qkv_ref[request, kv_head, group, :]
+    v_new = qkv_ref[request, kv_head, group + 1, :]
     if rotary:
         partner = swapped_features(head_dim)
         cos, sin = cos_ref[request, :], sin_ref[request, :]
-        q = rotate_with(q, q_ref[request, heads[:, None], partner[None, :]], cos[None, :],
-                        sin[None, :])
-        k_new = rotate_with(k_new, k_ref[request, kv_head, partner], cos, sin)
+        q = rotate_with(q, qkv_ref[request, kv_head, in_group[:, None], partner[None, :]],
+                        cos[None, :], sin[None, :])
+        k_new = rotate_with(k_new, qkv_ref[request, kv_head, group, partner], cos, sin)
 
     takes_new = (split == 0) & (position >= 0)
     new_score = jnp.sum(q.astype(f32) * k_new.astype(f32)[None, :], axis=1) * (scale * LOG2E)
@@ -170,7 +169,8 @@ def fused_paged_decode(
     """(attention [B, Hq, Dh], k_pages, v_pages): the step's K/V written at each request's
     position and its query over positions 0..position, in one Pallas call (pages in place).
     With ``rotary`` tables (``kernels.rotary``), q and k come unrotated and the kernel rotates
-    them."""
+    them. The kernel reads q, k and v as one array grouped by KV head (one concatenation in XLA,
+    where three separate operands would each be copied out of a merged projection)."""
     interpret = pallas_backend.resolve_interpret(interpret)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -197,19 +197,21 @@ def fused_paged_decode(
                                pages_per_block=pages_per_block, splits=splits,
                                rotary=rotary is not None, precision=precision)
     rotary = () if rotary is None else tuple(table.astype(jnp.float32) for table in rotary)
+    grouped = jnp.concatenate([q.reshape(batch, num_kv_heads, group, head_dim), k[:, :, None],
+                               v[:, :, None]], axis=2)
     *out, k_pages, v_pages = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[whole] * 5 + [per_kv_head] * 2 + [whole] * len(rotary),
+        in_specs=[whole] * 3 + [per_kv_head] * 2 + [whole] * len(rotary),
         out_specs=[whole] * len(results) + [per_kv_head] * 2,
         out_shape=[*results, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={5: len(results), 6: len(results) + 1},
+        input_output_aliases={3: len(results), 4: len(results) + 1},
         compiler_params=pallas_backend.compiler_params(num_warps=num_warps,
                                                        num_stages=num_stages),
         interpret=interpret,
         name="fused_paged_decode",
-    )(positions.astype(jnp.int32), tables, q, k, v, k_pages, v_pages, *rotary)
+    )(positions.astype(jnp.int32), tables, grouped, k_pages, v_pages, *rotary)
     attention = out[0] if splits == 1 else merge_splits(*out).astype(q.dtype)
     return attention, k_pages, v_pages
 
