@@ -298,33 +298,38 @@ class ModelRunner:
         """One decode step: the in-step sampler's rows, the logits (for ``resample``), the token
         board, caches. A row with ``token_rows >= 0`` reads its input token from the board the
         previous decode step wrote."""
-        outer_state = params[0]
+        outer_state, layer_states = params
         meta = packed.unpack()
         *caches, board = values
         positions, slots = meta["positions"], meta["slot_mapping"]
+        rotary = self._layer(layer_states[0]).rotary_tables(positions)  # every layer's
 
         def attend(q, k, v, k_pages, v_pages):
             return decode_attention_step(q, k, v, k_pages, v_pages, meta["page_tables"],
-                                         positions, slots, scale=self.scale,
+                                         positions, slots, rotary, scale=self.scale,
                                          kernel=self.decode_kernel)
 
         token_ids = read_tokens(meta["token_ids"], meta["token_rows"], board)
-        hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend)
+        hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend,
+                                            attend_rotates=True)
         logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
         sampled = fast_sample(unpack_sampling(meta), logits)
         return (sampled, logits, write_board(board, sampled), *caches)
 
     def _every_layer(self, params: Any, token_ids: jax.Array, positions: jax.Array,
-                     caches: Sequence[jax.Array], attend) -> tuple:
+                     caches: Sequence[jax.Array], attend, *, attend_rotates: bool = False
+                     ) -> tuple:
         """Embed, then every layer with its attention inside, ``attend(q, k, v, k_pages,
-        v_pages) -> (attn, k_pages, v_pages)``: the hidden states and the written caches (the
-        K caches, then the V caches)."""
+        v_pages) -> (attn, k_pages, v_pages)`` (given q and k before RoPE if
+        ``attend_rotates``): the hidden states and the written caches (the K caches, then the V
+        caches)."""
         outer_state, layer_states = params
         k_all, v_all = list(caches[:self.num_layers]), list(caches[self.num_layers:])
         hidden = self._outer(outer_state).embed(token_ids)
         for i, state in enumerate(layer_states):
             layer = self._layer(state)
-            q, k, v = layer.attention_inputs(hidden, positions)
+            q, k, v = (layer.unrotated_attention_inputs(hidden) if attend_rotates
+                       else layer.attention_inputs(hidden, positions))
             attn, k_all[i], v_all[i] = attend(q, k, v, k_all[i], v_all[i])
             hidden = layer.attention_outputs(hidden, attn)
         return (hidden, *k_all, *v_all)

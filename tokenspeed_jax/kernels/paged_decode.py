@@ -53,6 +53,7 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     DecodeKernel,
     shard_by_kv_head,
 )
+from tokenspeed_jax.kernels.rotary import rotate, rotate_with, swapped_features
 
 # Programs that keep an H200 (132 SMs) busy. Measured there (bf16, context 512, whole decode
 # steps): the 8B shape (8 KV heads) at batch 1 is faster with 4 splits than 1 (4.51 against
@@ -63,32 +64,39 @@ FILL_PROGRAMS = 128
 def _decode_kernel(
     positions_ref,  # i32[B]
     page_tables_ref,  # i32[B, P], P a multiple of pages_per_block
-    q_ref,  # [B, Hq, Dh]
-    k_ref,  # [B, Hkv, Dh]: this step's keys
-    v_ref,  # [B, Hkv, Dh]
+    qkv_ref,  # [B, Hkv, group + 2, Dh]: per KV head its group's queries, then its key and value
     k_pages_ref,  # [num_pages, page_size, Dh]: this program's KV head, aliased with k_out_ref
     v_pages_ref,  # [num_pages, page_size, Dh]
-    *out_refs,  # splits == 1: o [B, Hq, Dh]; else acc [S, B, Hq, Dh], max, sum [S, B, Hq];
-    # then k_out_ref, v_out_ref (the pages)
+    *refs,  # with rotary: cos, sin [B, Dh] fp32; then the results: splits == 1: o [B, Hq, Dh],
+    # else acc [S, B, Hq, Dh], max, sum [S, B, Hq]; then k_out_ref, v_out_ref (the pages)
     scale: float,
     group: int,
     block_h: int,
     pages_per_block: int,
     splits: int,
+    rotary: bool,
     precision,
 ):
+    cos_ref, sin_ref, *out_refs = refs if rotary else (None, None, *refs)
     *result_refs, k_out_ref, v_out_ref = out_refs
     request, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
-    head_dim = q_ref.shape[-1]
+    head_dim = qkv_ref.shape[-1]
     page_size = k_pages_ref.shape[1]
     block_k = pages_per_block * page_size
     position = positions_ref[request]
     cached = jnp.maximum(position, 0)  # keys 0..position-1 come from the pages
-    heads = kv_head * group + jnp.minimum(lax.iota(jnp.int32, block_h), group - 1)
-    q = q_ref[request, heads, :]  # [block_h, Dh]
-    k_new = k_ref[request, kv_head, :]
-    v_new = v_ref[request, kv_head, :]
+    in_group = jnp.minimum(lax.iota(jnp.int32, block_h), group - 1)
+    heads = kv_head * group + in_group  # the query heads, as the output numbers them
+    q = qkv_ref[request, kv_head, in_group, :]  # [block_h, Dh]
+    k_new = qkv_ref[request, kv_head, group, :]
+    v_new = qkv_ref[request, kv_head, group + 1, :]
+    if rotary:
+        partner = swapped_features(head_dim)
+        cos, sin = cos_ref[request, :], sin_ref[request, :]
+        q = rotate_with(q, qkv_ref[request, kv_head, in_group[:, None], partner[None, :]],
+                        cos[None, :], sin[None, :])
+        k_new = rotate_with(k_new, qkv_ref[request, kv_head, group, partner], cos, sin)
 
     takes_new = (split == 0) & (position >= 0)
     new_score = jnp.sum(q.astype(f32) * k_new.astype(f32)[None, :], axis=1) * (scale * LOG2E)
@@ -148,6 +156,7 @@ def fused_paged_decode(
     v_pages: jax.Array,  # [Hkv, num_pages, page_size, Dh]
     page_tables: jax.Array,  # i32[B, P]
     positions: jax.Array,  # i32[B]; < 0 = padding
+    rotary: tuple[jax.Array, jax.Array] | None = None,  # (cos, sin) [B, Dh] fp32
     *,
     scale: float,
     block_h: int = 16,
@@ -158,7 +167,10 @@ def fused_paged_decode(
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(attention [B, Hq, Dh], k_pages, v_pages): the step's K/V written at each request's
-    position and its query over positions 0..position, in one Pallas call (pages in place)."""
+    position and its query over positions 0..position, in one Pallas call (pages in place).
+    With ``rotary`` tables (``kernels.rotary``), q and k come unrotated and the kernel rotates
+    them. The kernel reads q, k and v as one array grouped by KV head (one concatenation in XLA,
+    where three separate operands would each be copied out of a merged projection)."""
     interpret = pallas_backend.resolve_interpret(interpret)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -183,20 +195,23 @@ def fused_paged_decode(
                    *[jax.ShapeDtypeStruct((splits, batch, num_q_heads), jnp.float32)] * 2]
     kernel = functools.partial(_decode_kernel, scale=scale, group=group, block_h=block_h,
                                pages_per_block=pages_per_block, splits=splits,
-                               precision=precision)
+                               rotary=rotary is not None, precision=precision)
+    rotary = () if rotary is None else tuple(table.astype(jnp.float32) for table in rotary)
+    grouped = jnp.concatenate([q.reshape(batch, num_kv_heads, group, head_dim), k[:, :, None],
+                               v[:, :, None]], axis=2)
     *out, k_pages, v_pages = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[whole] * 5 + [per_kv_head] * 2,
+        in_specs=[whole] * 3 + [per_kv_head] * 2 + [whole] * len(rotary),
         out_specs=[whole] * len(results) + [per_kv_head] * 2,
         out_shape=[*results, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={5: len(results), 6: len(results) + 1},
+        input_output_aliases={3: len(results), 4: len(results) + 1},
         compiler_params=pallas_backend.compiler_params(num_warps=num_warps,
                                                        num_stages=num_stages),
         interpret=interpret,
         name="fused_paged_decode",
-    )(positions.astype(jnp.int32), tables, q, k, v, k_pages, v_pages)
+    )(positions.astype(jnp.int32), tables, grouped, k_pages, v_pages, *rotary)
     attention = out[0] if splits == 1 else merge_splits(*out).astype(q.dtype)
     return attention, k_pages, v_pages
 
@@ -208,10 +223,14 @@ def fused_split_count(batch: int, num_kv_heads: int, most: int) -> int:
     return max(1, min(most, -(-FILL_PROGRAMS // (batch * num_kv_heads))))
 
 
-def fused_paged_decode_reference(q, k, v, k_pages, v_pages, page_tables, positions, *,
-                                 scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``fused_paged_decode`` in plain JAX: ``write_kv`` at the slot each row's page table
-    gives its position, then ``attention.paged_decode_attention_reference``."""
+def fused_paged_decode_reference(q, k, v, k_pages, v_pages, page_tables, positions,
+                                 rotary=None, *, scale: float
+                                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``fused_paged_decode`` in plain JAX: q and k rotated by ``rotary`` (if given), ``write_kv``
+    at the slot each row's page table gives its position, then
+    ``attention.paged_decode_attention_reference``."""
+    if rotary is not None:
+        q, k = rotate(q, rotary), rotate(k, rotary)
     page_size = k_pages.shape[2]
     rows = jnp.arange(positions.shape[0])
     slots = jnp.where(positions >= 0, page_tables[rows, jnp.maximum(positions, 0) // page_size]
@@ -230,25 +249,30 @@ def decode_attention_step(
     page_tables: jax.Array,  # i32[B, P]
     positions: jax.Array,  # i32[B]; < 0 = padding row
     slot_mapping: jax.Array,  # i32[B]: each row's slot (its page table's, for its position)
+    rotary: tuple[jax.Array, jax.Array] | None = None,  # (cos, sin) [B, Dh] fp32
     *,
     scale: float,
     kernel: DecodeKernel = REFERENCE_KERNEL,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode layer's attention: (output [B, Hq, Dh], k_pages, v_pages) with the step's K/V
-    written. The fused kernel does both in one call (per shard of ``kernel.mesh``); the other
-    backends write with ``write_kv`` and read with ``paged_decode_attention``."""
+    written, q and k first rotated by ``rotary`` (``kernels.rotary``) if given. The fused kernel
+    does it all in one call (per shard of ``kernel.mesh``); the other backends rotate in XLA,
+    write with ``write_kv`` and read with ``paged_decode_attention``."""
     if kernel.backend != FUSED:
+        if rotary is not None:
+            q, k = rotate(q, rotary), rotate(k, rotary)
         k_pages, v_pages = write_kv(k_pages, k, slot_mapping), write_kv(v_pages, v, slot_mapping)
         return (paged_decode_attention(q, k_pages, v_pages, page_tables, positions, scale=scale,
                                        kernel=kernel), k_pages, v_pages)
 
-    def op(q, k, v, k_pages, v_pages, page_tables, positions):  # one shard's under a mesh
+    def op(q, k, v, k_pages, v_pages, page_tables, positions, *rotary):  # a shard's, with a mesh
         splits = fused_split_count(q.shape[0], k_pages.shape[0], kernel.k_splits)
         return fused_paged_decode(q, k, v, k_pages, v_pages, page_tables, positions,
-                                  scale=scale, block_h=kernel.block_h,
+                                  rotary or None, scale=scale, block_h=kernel.block_h,
                                   pages_per_block=kernel.pages_per_compute_block, splits=splits,
                                   interpret=kernel.interpret)
 
+    rotary = () if rotary is None else tuple(rotary)
     if kernel.mesh is not None:
-        op = shard_by_kv_head(op, kernel.mesh, ins="hhhpprr", outs="hpp")
-    return op(q, k, v, k_pages, v_pages, page_tables, positions)
+        op = shard_by_kv_head(op, kernel.mesh, ins="hhhpprr" + "r" * len(rotary), outs="hpp")
+    return op(q, k, v, k_pages, v_pages, page_tables, positions, *rotary)

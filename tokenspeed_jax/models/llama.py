@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax.kernels.attention_ref import cache_causal_mask, masked_attention
+from tokenspeed_jax.kernels.rotary import rotary_tables, rotate
 from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm, linear, normal_param
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -176,17 +177,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
     return (1.0 - blend) * inv_freq / scaling.factor + blend * inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x [..., T, N, Dh]`` by ``positions [..., T]`` in HF's rotate-half layout."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(angles)[..., None, :]  # [..., T, 1, Dh/2]
-    sin = jnp.sin(angles)[..., None, :]
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    return rotated.astype(x.dtype)
-
-
 class LlamaMLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -234,17 +224,31 @@ class LlamaDecoderLayer(nnx.Module):
             out = out + getattr(self, f"{name}_bias")[...].astype(self.dtype)
         return out
 
-    def attention_inputs(
-        self, hidden: jax.Array, positions: jax.Array
+    def rotary_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE tables (``kernels.rotary``) of ``positions [..., T]``, ``[..., T, Dh]`` float32:
+        the same for every layer."""
+        return rotary_tables(positions, rope_inv_freq(self.config.head_dim,
+                                                      self.config.rope_theta,
+                                                      self.config.rope_scaling))
+
+    def unrotated_attention_inputs(
+        self, hidden: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """hidden [..., T, D], positions [..., T] -> q [..., T, Hq, Dh], k, v [..., T, Hkv, Dh]."""
+        """hidden [..., T, D] -> q [..., T, Hq, Dh], k, v [..., T, Hkv, Dh], before RoPE (for a
+        kernel that rotates q and k itself)."""
         x = self.input_layernorm(hidden)
         q, k, v = (self._project(x, name) for name in ("q", "k", "v"))
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta,
-                                 self.config.rope_scaling)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return q, k, v
+
+    def attention_inputs(
+        self, hidden: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """hidden [..., T, D], positions [..., T] -> q [..., T, Hq, Dh], k, v [..., T, Hkv, Dh]."""
+        q, k, v = self.unrotated_attention_inputs(hidden)
+        tables = self.rotary_tables(positions)
+        return rotate(q, tables), rotate(k, tables), v
 
     def attention_outputs(self, hidden: jax.Array, attn: jax.Array) -> jax.Array:
         """hidden [..., T, D] (the layer's input residual), attn [..., T, Hq, Dh] -> [..., T, D]."""
