@@ -4,12 +4,12 @@ The cumsum kernel, one program per (chunk, value head), writes gc, the in-chunk 
 gate, which the other two read. For one chunk and value head, let
 kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
 diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
-M = (I + D)^-1 E. The scores kernel, one program per (chunk, value head, 16-row block), forms
-its rows of kk and of the causal query-key matrix (scaled), inverts its own diagonal block and
-writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of the diagonal
-blocks). The solve kernel, one program per (chunk, value head), finishes the inverse and writes
-w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing here
-depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
+M = (I + D)^-1 E. The scores kernel, one call per 16-row block with one program per (chunk, value
+head), forms the block's rows of kk and of the causal query-key matrix (scaled), inverts its
+diagonal block and writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of
+the diagonal blocks). The solve kernel, one program per (chunk, value head), finishes the inverse
+and writes w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing
+here depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
 the outputs.
 
 Invariants:
@@ -22,9 +22,14 @@ Invariants:
   `fori_loop`: unrolled, the compiler hoists every slice's loads and the kernel spills.
 - Programs are small on purpose: a program holds one row block's products or one chunk's
   solve, so an SM holds several and their memory waits overlap.
-- The scores kernel writes each row block twice without overlap: the columns of other blocks
-  with a masked store, its own 16 x 16 diagonal block with a plain one (no two threads store to
-  one address, so no ordering between them is needed).
+- A row block meets only the keys before it. Each block is its own call (its offsets static:
+  under a branch on the block id the compiler took 180-255 registers), so block b decays and
+  multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
+  instead of all C keys. The calls write one parts and one aqk buffer, aliased through them.
+- The scores kernel writes disjoint column ranges of a row block, each once: the earlier
+  blocks' columns (a masked store), its own 16 x 16 diagonal block, and zeros in aqk's later
+  columns (no two threads store to one address, so no ordering between them is needed). Columns
+  of parts after the diagonal block are never written: the solve kernel masks them out.
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
   squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
@@ -52,7 +57,6 @@ from tokenspeed_jax.kernels.kernel_math import dot, dot_nt
 
 if TYPE_CHECKING:
     from tokenspeed_jax.kernels.kda import ChunkConfig
-
 
 SUB_BLOCK = 16  # rows sharing one decay reference point; also Triton's smallest dot tile
 LOG2_E = 1.4426950408889634
@@ -167,11 +171,11 @@ def score_rows(
             across_kk += dot_nt(k_ref[rows, keys].astype(f32) * to_reference, right, precision)
             across_qk += dot_nt(q_ref[rows, keys].astype(f32) * (scale * to_reference), right,
                                 precision)
-        own_columns = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, width), 1) < start
+        earlier_columns = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, width), 1) < start
         pallas_backend.masked_store(parts_ref.at[:, earlier],
-                                    exact_dot(block_inverse, across_kk * beta), own_columns)
+                                    exact_dot(block_inverse, across_kk * beta), earlier_columns)
         pallas_backend.masked_store(aqk_ref.at[:, earlier], across_qk.astype(aqk_ref.dtype),
-                                    own_columns)
+                                    earlier_columns)
     for first, width in _power_of_two_pieces(start + SUB_BLOCK, chunk):  # the later ones
         aqk_ref[:, pl.ds(first, width)] = jnp.zeros((SUB_BLOCK, width), aqk_ref.dtype)
 
