@@ -4,12 +4,12 @@ The cumsum kernel, one program per (chunk, value head), writes gc, the in-chunk 
 gate, which the other two read. For one chunk and value head, let
 kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
 diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
-M = (I + D)^-1 E. The scores kernel, one program per (chunk, value head, 16-row block), forms
-its rows of kk and of the causal query-key matrix (scaled), inverts its own diagonal block and
-writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of the diagonal
-blocks). The solve kernel, one program per (chunk, value head), finishes the inverse and writes
-w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing here
-depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
+M = (I + D)^-1 E. The scores kernel, one call per 16-row block with one program per (chunk, value
+head), forms the block's rows of kk and of the causal query-key matrix (scaled), inverts its
+diagonal block and writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of
+the diagonal blocks). The solve kernel, one program per (chunk, value head), finishes the inverse
+and writes w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing
+here depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
 the outputs.
 
 Invariants:
@@ -22,9 +22,14 @@ Invariants:
   `fori_loop`: unrolled, the compiler hoists every slice's loads and the kernel spills.
 - Programs are small on purpose: a program holds one row block's products or one chunk's
   solve, so an SM holds several and their memory waits overlap.
-- The scores kernel writes each row block twice without overlap: the columns of other blocks
-  with a masked store, its own 16 x 16 diagonal block with a plain one (no two threads store to
-  one address, so no ordering between them is needed).
+- A row block meets only the keys before it. Each block is its own call (its offsets static:
+  under a branch on the block id the compiler took 180-255 registers), so block b decays and
+  multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
+  instead of all C keys. The calls write one parts and one aqk buffer, aliased through them.
+- The scores kernel writes disjoint column ranges of a row block, each once: the earlier
+  blocks' columns (a masked store), its own 16 x 16 diagonal block, and zeros in aqk's later
+  columns (no two threads store to one address, so no ordering between them is needed). Columns
+  of parts after the diagonal block are never written: the solve kernel masks them out.
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
   squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
@@ -117,7 +122,7 @@ def cumsum_kernel(live_ref, tokens_ref, g_ref, gc_ref):
 
 
 def score_rows(
-    block,  # this program's 16-row block of the chunk
+    block: int,  # this call's 16-row block of the chunk (static)
     q_ref,  # [C, K]
     k_ref,  # [C, K]
     gc_ref,  # [C, K] fp32, in-chunk cumulative log decay
@@ -132,19 +137,8 @@ def score_rows(
 ):
     f32 = jnp.float32
     chunk, head_k = k_ref.shape
-    start = pl.multiple_of(block * SUB_BLOCK, SUB_BLOCK)
+    start = block * SUB_BLOCK
     rows = pl.ds(start, SUB_BLOCK)
-
-    across_kk = across_qk = jnp.zeros((SUB_BLOCK, chunk), f32)
-    for keys in _column_slices(head_k):
-        reference = gc_ref[pl.ds(start, 1), keys]
-        to_reference = decay(gc_ref[rows, keys] - reference)
-        earlier = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < start
-        right = jnp.where(earlier, k_ref[:, keys].astype(f32)
-                          * decay(jnp.minimum(reference - gc_ref[:, keys], 0.0)), 0.0)
-        across_kk += dot_nt(k_ref[rows, keys].astype(f32) * to_reference, right, precision)
-        across_qk += dot_nt(q_ref[rows, keys].astype(f32) * (scale * to_reference), right,
-                            precision)
 
     def key_slice(s, within):  # within: both [16, 16] sums, indexed (j, i)
         keys = pl.ds(pl.multiple_of(s * key_split, key_split), key_split)
@@ -161,12 +155,29 @@ def score_rows(
     exact_dot = functools.partial(dot, precision=exact)
     block_inverse = nilpotent_inverse(jnp.where(i > j, within_kk.T, 0.0) * beta, SUB_BLOCK,
                                       exact_dot)
-    other_block = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, chunk), 1) // SUB_BLOCK != block
-    pallas_backend.masked_store(parts_ref, exact_dot(block_inverse, across_kk * beta),
-                                other_block)
-    pallas_backend.masked_store(aqk_ref, across_qk.astype(aqk_ref.dtype), other_block)
     parts_ref[:, rows] = block_inverse
     aqk_ref[:, rows] = jnp.where(i >= j, within_qk.T, 0.0).astype(aqk_ref.dtype)
+
+    if block:  # the earlier blocks' keys: the narrowest power-of-two width (>= 32) holding them
+        width = max(2 * SUB_BLOCK, 1 << (start - 1).bit_length())
+        earlier = pl.ds(0, width)
+        is_earlier = lax.broadcasted_iota(jnp.int32, (width, 1), 0) < start
+        across_kk = across_qk = jnp.zeros((SUB_BLOCK, width), f32)
+        for keys in _column_slices(head_k):
+            reference = gc_ref[pl.ds(start, 1), keys]
+            to_reference = decay(gc_ref[rows, keys] - reference)
+            right = jnp.where(is_earlier, k_ref[earlier, keys].astype(f32) * decay(
+                jnp.minimum(reference - gc_ref[earlier, keys], 0.0)), 0.0)
+            across_kk += dot_nt(k_ref[rows, keys].astype(f32) * to_reference, right, precision)
+            across_qk += dot_nt(q_ref[rows, keys].astype(f32) * (scale * to_reference), right,
+                                precision)
+        earlier_columns = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, width), 1) < start
+        pallas_backend.masked_store(parts_ref.at[:, earlier],
+                                    exact_dot(block_inverse, across_kk * beta), earlier_columns)
+        pallas_backend.masked_store(aqk_ref.at[:, earlier], across_qk.astype(aqk_ref.dtype),
+                                    earlier_columns)
+    for first, width in _power_of_two_pieces(start + SUB_BLOCK, chunk):  # the later ones
+        aqk_ref[:, pl.ds(first, width)] = jnp.zeros((SUB_BLOCK, width), aqk_ref.dtype)
 
 
 def solve_chunk(
@@ -211,16 +222,29 @@ def solve_chunk(
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
 
 
-def scores_kernel(live_ref, *refs, **params):
-    """``score_rows`` for a live chunk; the block id is read here, outside the branch."""
-    block = pl.program_id(2)
-    pl.when(chunk_is_live(live_ref))(lambda: score_rows(block, *refs, **params))
+def scores_kernel(live_ref, q_ref, k_ref, gc_ref, beta_ref, *out_refs, block: int, **params):
+    """``score_rows`` of row block ``block`` for a live chunk. ``out_refs`` end with parts and
+    aqk; before them, for every block but the first, the same two buffers as aliased inputs
+    (the earlier calls' rows), which this call leaves alone."""
+    pl.when(chunk_is_live(live_ref))(lambda: score_rows(block, q_ref, k_ref, gc_ref, beta_ref,
+                                                        *out_refs[-2:], **params))
 
 
 def solve_kernel(live_ref, *refs, **params):
     """``solve_chunk`` for a live chunk; the head id is read here, outside the branch."""
     head = pl.program_id(1)
     pl.when(chunk_is_live(live_ref))(lambda: solve_chunk(head, *refs, **params))
+
+
+def _power_of_two_pieces(first: int, stop: int) -> list[tuple[int, int]]:
+    """[first, stop) as (offset, width) pieces of power-of-two widths, widest first (Triton's
+    blocks have power-of-two shapes): 0..48 is (0, 32), (32, 16)."""
+    pieces = []
+    while first < stop:
+        width = 1 << ((stop - first).bit_length() - 1)
+        pieces.append((first, width))
+        first += width
+    return pieces
 
 
 def _column_slices(width: int):
@@ -277,20 +301,24 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
         interpret=interpret,
         name="kda_chunk_cumsum",
     )(live_chunks, tokens, g.astype(jnp.float32))
-    parts, aqk = pl.pallas_call(
-        functools.partial(scores_kernel, scale=scale, key_split=key_split,
-                          precision=precision, exact=exact),
-        grid=(num_chunks, HV, C // SUB_BLOCK),
-        in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
-                  chunk_spec(K, own_head), beta_spec],
-        out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
-                                lambda c, h, b: (h, c, b, 0))] * 2,
-        out_shape=[chunked(C, jnp.float32), chunked(C)],
-        compiler_params=pallas_backend.compiler_params(num_warps=config.scores_num_warps,
-                                                       num_stages=1),
-        interpret=interpret,
-        name="kda_chunk_scores",
-    )(live_chunks, q_c, k_c, gc, beta_c)
+    parts_and_aqk = []
+    for block in range(C // SUB_BLOCK):  # one call per row block: its code has static offsets
+        parts_and_aqk = pl.pallas_call(
+            functools.partial(scores_kernel, block=block, scale=scale, key_split=key_split,
+                              precision=precision, exact=exact),
+            grid=(num_chunks, HV),
+            in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
+                      chunk_spec(K, own_head), beta_spec] + [whole] * len(parts_and_aqk),
+            out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
+                                    lambda c, h, b=block: (h, c, b, 0))] * 2,
+            out_shape=[chunked(C, jnp.float32), chunked(C)],
+            input_output_aliases={5: 0, 6: 1} if parts_and_aqk else {},
+            compiler_params=pallas_backend.compiler_params(num_warps=config.scores_num_warps,
+                                                           num_stages=1),
+            interpret=interpret,
+            name="kda_chunk_scores",
+        )(live_chunks, q_c, k_c, gc, beta_c, *parts_and_aqk)
+    parts, aqk = parts_and_aqk
 
     def out_spec(width):
         return pl.BlockSpec((squeezed, squeezed, C, width), lambda c, h: (h, c, 0, 0))
