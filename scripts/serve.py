@@ -58,6 +58,8 @@ def _parser_for(annotation: typing.Any) -> tuple[typing.Callable[[str], typing.A
     optional = type(None) in typing.get_args(annotation)
     if base is bool:
         return bool, True
+    if typing.get_origin(base) is tuple and typing.get_args(base)[0] is str:
+        return str.split, False  # space-separated: XLA option values may hold commas
     if typing.get_origin(base) is tuple:
         def parse(text: str) -> tuple[int, ...] | None:
             return None if optional and text.lower() == "none" else tuple(

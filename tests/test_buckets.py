@@ -70,5 +70,10 @@ def test_top_bucket_is_min_of_graph_max_and_chunk_size():
 def test_config_rejects_bad_values_naming_them():
     with pytest.raises(ValueError, match="decode_graph_max_bs"):
         EngineConfig(decode_graph_max_bs=0)
+    for option in ("xla_cpu_enable_fast_math", "=true", " xla_x=1"):
+        with pytest.raises(ValueError, match="xla_compiler_options"):
+            EngineConfig(xla_compiler_options=(option,))
+    assert EngineConfig(xla_compiler_options=["a=b=c", "d="]).compiler_options == {
+        "a": "b=c", "d": ""}
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         EngineConfig(chunked_prefill_size=-1)

@@ -68,7 +68,8 @@ def child(options: dict) -> None:
         chunked_prefill_size=16, prefill_graph_capture_batch_sizes=(1, 2),
         prefill_graph_max_bs=2, decode_graph_capture_batch_sizes=decode,
         decode_graph_max_bs=max(decode), max_model_len=64, compile_progress=False,
-        compile_cache_dir=options["cache_dir"], strict_no_compile=True)
+        compile_cache_dir=options["cache_dir"], strict_no_compile=True,
+        xla_compiler_options=tuple(options.get("xla", ())))
     runner = ModelRunner(model, config, num_pages=8, page_size=16)
     window["open"] = True
     summary = runner.compile_all()
@@ -229,6 +230,26 @@ def test_changed_model_config_misses_only_entries_that_read_it(cold, tmp_path):
         # the first model's entries are kept beside the new ones
         assert len(list(directory.glob(f"*{SUFFIX}"))) == 2 * NUM_EXECUTABLES - NUM_STATELESS
         return first, result
+
+    retried(body)
+
+
+def test_compiler_options_are_part_of_the_key(cold, tmp_path):
+    """Other XLA options miss every entry (and, harmless on the CPU, give the same outputs); a
+    second start with them loads what the first compiled."""
+    serialize = ["xla_gpu_command_buffer_scheduling_mode=SERIALIZE"]
+
+    def body():
+        directory, first = _copy(cold, tmp_path)
+        other = start(directory, xla=serialize)
+        again = start(directory, xla=serialize)
+        if not same_code(first, other, again):
+            return first, other, again
+        assert other["compiled"] == other["backend_compiles"] == NUM_EXECUTABLES
+        assert other["loaded"] == 0
+        assert (other["outputs"], other["logprobs"]) == (first["outputs"], first["logprobs"])
+        assert again["loaded"] == NUM_EXECUTABLES and again["backend_compiles"] == 0
+        return first, other, again
 
     retried(body)
 

@@ -175,6 +175,17 @@ def test_start_up_failure_names_segment_and_bucket():
         compile_plan(plan)
 
 
+def test_compiler_options_reach_xla():
+    """Every executable is compiled with the compiler's XLA options: a value XLA rejects fails
+    start-up naming the segment, the bucket and the option."""
+    compiler = PlanCompiler(progress=False, compiler_options={
+        "xla_gpu_command_buffer_scheduling_mode": "NOT_A_MODE"})
+    compiler.add("rows=16", Plan([Call(BLOCK, WEIGHTS[0])], ("x",), ("x",)),
+                 {"x": jax.ShapeDtypeStruct((16, WIDTH), jnp.float32)})
+    with pytest.raises(CompileError, match=r"'block'.*rows=16.*NOT_A_MODE"):
+        compiler.compile_all()
+
+
 def test_plan_rejects_reading_a_donated_value():
     keep = Segment("keep", lambda p, x: x * 2, ("x",), ("y",), donate=("x",))
     with pytest.raises(ValueError, match="donated"):

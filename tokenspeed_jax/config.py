@@ -64,6 +64,11 @@ class EngineConfig:
     # Directory of that cache; None = $XDG_CACHE_HOME/tokenspeed_jax/executables
     # (~/.cache/tokenspeed_jax/executables when XDG_CACHE_HOME is unset).
     compile_cache_dir: str | None = None
+    # XLA options for every executable compiled at start-up, each "name=value" (jax's
+    # compiler_options; space-separated on the command line), e.g.
+    # xla_gpu_command_buffer_scheduling_mode=SERIALIZE. Unlike XLA_FLAGS they reach only this
+    # engine's executables; they are part of the executable cache key.
+    xla_compiler_options: tuple[str, ...] = ()
     # Devices the model is split over (tensor parallelism, one jax.sharding mesh axis); must
     # divide the attention heads and not exceed the devices jax sees (docs/parallel.md).
     tensor_parallel_size: int = 1
@@ -99,6 +104,11 @@ class EngineConfig:
                 if not sizes:
                     raise ValueError(f"{name} must not be empty, got {value!r}")
                 object.__setattr__(self, name, sizes)
+        object.__setattr__(self, "xla_compiler_options", tuple(self.xla_compiler_options))
+        for option in self.xla_compiler_options:
+            name, equals, _ = option.partition("=")
+            if not (equals and name.strip() == name and name):
+                raise ValueError(f"xla_compiler_options entries are 'name=value', got {option!r}")
         checks = [
             (self.prefill_graph_max_tokens is None or self.prefill_graph_max_tokens >= 0,
              f"prefill_graph_max_tokens must be None or >= 0, got {self.prefill_graph_max_tokens}"),
@@ -124,6 +134,11 @@ class EngineConfig:
     def prefill_graph_enabled(self) -> bool:
         return not (self.enforce_eager or self.disable_prefill_graph
                     or self.prefill_graph_max_tokens == 0)
+
+    @property
+    def compiler_options(self) -> dict[str, str]:
+        """``xla_compiler_options`` as the mapping ``jax.stages.Lowered.compile`` takes."""
+        return dict(option.split("=", 1) for option in self.xla_compiler_options)
 
     @property
     def compile_cache_path(self) -> str | None:

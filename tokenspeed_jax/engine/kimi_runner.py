@@ -501,7 +501,8 @@ class KimiRunner:
         compiler = PlanCompiler(progress=self.config.compile_progress,
                                 description="compiling Kimi executables",
                                 cache=ExecutableCache(cache_dir) if cache_dir else None,
-                                fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+                                fingerprint=self.cache_fingerprint(), mesh=self.mesh,
+                                compiler_options=self.config.compiler_options)
         shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)

@@ -509,7 +509,8 @@ class ModelRunner:
         compiler = PlanCompiler(progress=self.config.compile_progress,
                                 description="compiling executables",
                                 cache=ExecutableCache(cache_dir) if cache_dir else None,
-                                fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+                                fingerprint=self.cache_fingerprint(), mesh=self.mesh,
+                                compiler_options=self.config.compiler_options)
         caches = self._cache_specs()
         shardings = {} if self.mesh is None else parallel.plan_value_shardings(
             self.model_config, self.mesh, list(caches))

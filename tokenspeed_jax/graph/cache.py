@@ -20,12 +20,12 @@ without tracing (what ``executable_key`` hashes):
   replaced at run time is a different key). A bound method or a closure over anything else is
   only cached when a fingerprint is given. Not seen: a module-level function replaced at run
   time (monkeypatched) without a source change; turn the cache off for such experiments;
-* the call: stage name, donated argument positions, parameter and metadata tree structures, and
-  every argument's shape, dtype and weak type; for a program sharded over several devices, every
-  argument's and output's ``NamedSharding`` (mesh axis names and sizes, the device ids in mesh
-  order, the partition spec). A multi-device sharding of any other kind makes the executable
-  uncacheable. Deserializing binds an executable to the device ids it was built for, which the
-  key names, so a hit always runs on the same devices.
+* the call: stage name, donated argument positions, parameter and metadata tree structures, every
+  argument's shape, dtype and weak type, and the XLA compiler options it is compiled with; for a
+  program sharded over several devices, every argument's and output's ``NamedSharding`` (mesh axis
+  names and sizes, the device ids in mesh order, the partition spec). A multi-device sharding of any
+  other kind makes the executable uncacheable. Deserializing binds an executable to the device ids
+  it was built for, which the key names, so a hit always runs on the same devices.
 
 Hashing source files rather than the lowered program is what lets a warm start skip tracing; it
 is sound as long as stage functions are deterministic in what the key names. jax's own
@@ -61,7 +61,7 @@ import re
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ from jax.sharding import NamedSharding
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the entry layout or the key description changes
+FORMAT = 3  # bump when the entry layout or the key description changes
 MAGIC = b"TSJAXEXE"
 SUFFIX = ".exe"
 _DIGEST = 32  # SHA-256 trailer
@@ -236,9 +236,11 @@ def executable_key(
     args: Sequence[Any],
     donate: Sequence[int],
     out_shardings: Sequence[Any] | None = None,
+    compiler_options: Mapping[str, str] | None = None,
 ) -> str | None:
     """The cache key of one executable (see the module docstring), or None: not cacheable.
-    ``out_shardings``: the explicit output shardings of a sharded program."""
+    ``out_shardings``: the explicit output shardings of a sharded program; ``compiler_options``:
+    the XLA options it is compiled with."""
     specs = [_spec_key(a) for a in args]
     outputs = [_sharding_key(s) for s in out_shardings or ()]
     if identity is None or any(s is None for s in specs + outputs):
@@ -251,6 +253,7 @@ def executable_key(
         "args": specs,
         "donate": list(donate),
         "outputs": outputs,
+        "compiler_options": sorted((compiler_options or {}).items()),
     })
     return hashlib.sha256(description.encode()).hexdigest()
 

@@ -20,6 +20,9 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
 * Every argument is kept (``keep_unused``), so a single-device executable can be called directly
   with the flat argument list (``CompiledCall.raw``), skipping ``Compiled.__call__``'s pytree
   and signature handling; XLA still checks every buffer's size at each call.
+* ``compiler_options`` (XLA options, as ``jax.stages.Lowered.compile`` takes them) apply to
+  every executable of the compiler and are part of its cache key; XLA rejecting one is a
+  ``CompileError`` like any other.
 * With a ``mesh`` (tensor parallelism, ``tokenspeed_jax/parallel.py``) every executable is
   compiled with explicit input and output shardings: an input spec or parameter array keeps its
   own multi-device sharding, a plan value gets the sharding ``add(shardings=...)`` names for it,
@@ -198,12 +201,15 @@ class PlanCompiler:
         cache: ExecutableCache | None = None,
         fingerprint: str | None = None,
         mesh: Mesh | None = None,
+        compiler_options: Mapping[str, str] | None = None,
     ) -> None:
         """``cache``: look executables up there and store new ones. ``fingerprint``: a stable
         description of everything the stage functions read besides their arguments (needed to
         cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
-        programs over it (module docstring)."""
+        programs over it. ``compiler_options``: XLA options for every executable (module
+        docstring)."""
         self.mesh = mesh
+        self.compiler_options = dict(compiler_options or {})
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._value_shardings: dict[str, Sharding] = {}
         # XLA:CPU's in-process collectives deadlock with several executions in flight.
@@ -278,7 +284,7 @@ class PlanCompiler:
             job.cache_key = executable_key(
                 stage_name=stage.name, identity=function_identity(stage.fn, self.fingerprint),
                 trees=(meta_tree, param_tree), args=args, donate=donate,
-                out_shardings=out_shardings)
+                out_shardings=out_shardings, compiler_options=self.compiler_options)
             job.entry = self.cache.get(job.cache_key) if job.cache_key else None
         if job.entry is not None:
             job.out_info = job.entry.out_specs
@@ -319,7 +325,8 @@ class PlanCompiler:
                 )
         try:
             with guard.startup():
-                job.executable = job.traced.lower().compile()
+                job.executable = job.traced.lower().compile(
+                    compiler_options=self.compiler_options or None)
         except Exception as error:
             raise CompileError(
                 f"compiling segment {job.name!r} for bucket {job.label} failed: "
