@@ -28,6 +28,11 @@ Invariants:
   writes its unnormalised sums and base-2 running maximum, merged by ``merge_splits``.
 * Scores and softmax run in float32 (exact dots for fp32 caches): the arithmetic of
   ``attention_ref.masked_attention``, up to summation order.
+* The kernel takes q, k and v as one array ``[B, Hkv, group + 2, Dh]`` (a KV head's queries,
+  then its key, then its value), and with RoPE tables it rotates q and k itself: XLA then builds
+  a layer's operands with one concatenation of its merged q/k/v projection, where separate
+  operands and XLA's rope had cost a copy each and two rope fusions (13 kernels per SmolLM2
+  decode layer before, 11 after, on an H200).
 """
 
 from __future__ import annotations
