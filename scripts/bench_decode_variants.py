@@ -24,13 +24,13 @@ import jax
 
 from tokenspeed_jax.engine.batch import StepBatch
 
+SERIALIZE = ("xla_gpu_command_buffer_scheduling_mode=SERIALIZE",)
+ONE_SPLIT = (1, bench_graph.DEFAULT_FUSED[1])
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[int, int] | None]] = {
     "default": ((), bench_graph.DEFAULT_FUSED),
-    "serialize": (("xla_gpu_command_buffer_scheduling_mode=SERIALIZE",),
-                  bench_graph.DEFAULT_FUSED),
-    "one-split": ((), (1, bench_graph.DEFAULT_FUSED[1])),
-    "serialize-one-split": (("xla_gpu_command_buffer_scheduling_mode=SERIALIZE",),
-                            (1, bench_graph.DEFAULT_FUSED[1])),
+    "serialize": (SERIALIZE, bench_graph.DEFAULT_FUSED),
+    "one-split": ((), ONE_SPLIT),
+    "serialize-one-split": (SERIALIZE, ONE_SPLIT),
     "op-route": ((), None),
 }
 STEP_ITERS = 20

@@ -69,7 +69,7 @@ from flax import nnx
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
-from tokenspeed_jax.engine.model_runner import Buckets
+from tokenspeed_jax.engine.model_runner import Buckets, engine_compiler
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
@@ -94,13 +94,12 @@ from tokenspeed_jax.graph import (
     CompileGuard,
     CompileSummary,
     Plan,
-    PlanCompiler,
     Segment,
     abstract,
     choose_bucket,
     run_eager,
 )
-from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
+from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
@@ -497,12 +496,8 @@ class KimiRunner:
     def compile_all(self) -> CompileSummary:
         """Compile (or load from the executable cache) every executable a step can reach; fatal
         on failure; then arm the guard."""
-        cache_dir = self.config.compile_cache_path
-        compiler = PlanCompiler(progress=self.config.compile_progress,
-                                description="compiling Kimi executables",
-                                cache=ExecutableCache(cache_dir) if cache_dir else None,
-                                fingerprint=self.cache_fingerprint(), mesh=self.mesh,
-                                compiler_options=self.config.compiler_options)
+        compiler = engine_compiler(self.config, description="compiling Kimi executables",
+                                   fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)

@@ -154,6 +154,17 @@ def split_requests(
 MIN_DECODE_ROWS = 2
 
 
+def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
+                    mesh: Any) -> PlanCompiler:
+    """The ``PlanCompiler`` of a runner built from ``config``: its progress bar, executable
+    cache and XLA options."""
+    cache_dir = config.compile_cache_path
+    return PlanCompiler(progress=config.compile_progress, description=description,
+                        cache=ExecutableCache(cache_dir) if cache_dir else None,
+                        fingerprint=fingerprint, mesh=mesh,
+                        compiler_options=config.compiler_options)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The bucket ladders a runner compiles; empty tuples mean that route is off."""
@@ -505,12 +516,8 @@ class ModelRunner:
 
     def compile_all(self) -> CompileSummary:
         """Compile every executable a request can reach; fatal on failure; then arm the guard."""
-        cache_dir = self.config.compile_cache_path
-        compiler = PlanCompiler(progress=self.config.compile_progress,
-                                description="compiling executables",
-                                cache=ExecutableCache(cache_dir) if cache_dir else None,
-                                fingerprint=self.cache_fingerprint(), mesh=self.mesh,
-                                compiler_options=self.config.compiler_options)
+        compiler = engine_compiler(self.config, description="compiling executables",
+                                   fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         caches = self._cache_specs()
         shardings = {} if self.mesh is None else parallel.plan_value_shardings(
             self.model_config, self.mesh, list(caches))

@@ -27,8 +27,8 @@ Invariants:
   multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
   instead of all C keys. The calls write one parts and one aqk buffer, aliased through them.
 - The scores kernel writes disjoint column ranges of a row block, each once: the earlier
-  blocks' columns (a masked store), its own 16 x 16 diagonal block, and zeros in aqk's later
-  columns (no two threads store to one address, so no ordering between them is needed). Columns
+  blocks' columns and zeros in aqk's later columns (masked stores), and its own 16 x 16 diagonal
+  block (no two threads store to one address, so no ordering between them is needed). Columns
   of parts after the diagonal block are never written: the solve kernel masks them out.
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
   squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
@@ -176,8 +176,10 @@ def score_rows(
                                     exact_dot(block_inverse, across_kk * beta), earlier_columns)
         pallas_backend.masked_store(aqk_ref.at[:, earlier], across_qk.astype(aqk_ref.dtype),
                                     earlier_columns)
-    for first, width in _power_of_two_pieces(start + SUB_BLOCK, chunk):  # the later ones
-        aqk_ref[:, pl.ds(first, width)] = jnp.zeros((SUB_BLOCK, width), aqk_ref.dtype)
+    if start + SUB_BLOCK < chunk:  # zeros in aqk's columns after the diagonal block
+        later_columns = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, chunk), 1) >= start + SUB_BLOCK
+        pallas_backend.masked_store(aqk_ref, jnp.zeros((SUB_BLOCK, chunk), aqk_ref.dtype),
+                                    later_columns)
 
 
 def solve_chunk(
@@ -234,17 +236,6 @@ def solve_kernel(live_ref, *refs, **params):
     """``solve_chunk`` for a live chunk; the head id is read here, outside the branch."""
     head = pl.program_id(1)
     pl.when(chunk_is_live(live_ref))(lambda: solve_chunk(head, *refs, **params))
-
-
-def _power_of_two_pieces(first: int, stop: int) -> list[tuple[int, int]]:
-    """[first, stop) as (offset, width) pieces of power-of-two widths, widest first (Triton's
-    blocks have power-of-two shapes): 0..48 is (0, 32), (32, 16)."""
-    pieces = []
-    while first < stop:
-        width = 1 << ((stop - first).bit_length() - 1)
-        pieces.append((first, width))
-        first += width
-    return pieces
 
 
 def _column_slices(width: int):
