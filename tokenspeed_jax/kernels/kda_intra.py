@@ -263,6 +263,37 @@ def _column_slices(width: int):
     return [pl.ds(first, step) for first in range(0, width, step)]
 
 
+def diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, *, group: int, scale: float,
+                   config: ChunkConfig, interpret: bool):
+    """`diagonal_rows` over every chunk row: q_c, k_c [NC, C, H, K], gc [NC, C, HV, K] fp32,
+    beta_c [NC, C, HV], live_chunks i32[1]; returns kk [NC, C, HV, 16] fp32 and qk in q's
+    dtype (bf16 or fp32)."""
+    num_chunks, C, HV, K = gc.shape
+    heads = min(config.diagonal_heads, HV)
+    if HV % heads or (heads > group and heads % group) or (heads < group and group % heads):
+        raise ValueError(f"{config.diagonal_heads=} must divide {HV=} and divide or be a "
+                         f"multiple of the {group=} value heads per query head")
+    squeezed = pl.squeezed
+    query_heads = max(1, heads // group)
+    query_spec = pl.BlockSpec((squeezed, C, query_heads, K),
+                              lambda c, i, h: (c, 0, h * heads // group // query_heads, 0))
+    pair_spec = pl.BlockSpec((squeezed, squeezed, heads, SUB_BLOCK), lambda c, i, h: (c, i, h, 0))
+    return pl.pallas_call(
+        functools.partial(diagonal_kernel, scale=scale, group=group),
+        grid=(num_chunks, C, HV // heads),
+        in_specs=[pl.BlockSpec(index_map=lambda *_: (0,)), query_spec, query_spec,
+                  pl.BlockSpec((squeezed, C, heads, K), lambda c, i, h: (c, 0, h, 0)),
+                  pl.BlockSpec((squeezed, C, heads), lambda c, i, h: (c, 0, h))],
+        out_specs=[pair_spec, pair_spec],
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, C, HV, SUB_BLOCK), dtype)
+                   for dtype in (jnp.float32, q_c.dtype)],
+        compiler_params=pallas_backend.compiler_params(num_warps=config.diagonal_num_warps,
+                                                       num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_diagonal",
+    )(live_chunks, q_c, k_c, gc, beta_c)
+
+
 def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scale: float,
                 config: ChunkConfig, interpret: bool):
     """The per-chunk kernels over chunked q_c, k_c [NC, C, H, K] and beta_c [NC, C, HV], and
@@ -271,11 +302,6 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
     tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32 (each chunk's
     total log decay), garbage past the live chunks."""
     (num_chunks, C), (_, HV, K) = tokens.shape, g.shape
-    diagonal_heads = min(config.diagonal_heads, HV)
-    if HV % diagonal_heads or (diagonal_heads > group and diagonal_heads % group) or (
-            diagonal_heads < group and group % diagonal_heads):
-        raise ValueError(f"{config.diagonal_heads=} must divide {HV=} and divide or be a "
-                         f"multiple of the {group=} value heads per query head")
     V = v.shape[-1]
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
     exact = (lax.Precision.HIGHEST if interpret or v.dtype == jnp.float32
@@ -312,31 +338,8 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
         interpret=interpret,
         name="kda_chunk_cumsum",
     )(live_chunks, tokens, g.astype(jnp.float32))
-    query_heads = max(1, diagonal_heads // group)
-
-    def diagonal_spec(width, dtype):
-        return (pl.BlockSpec((squeezed, squeezed, diagonal_heads, width),
-                             lambda c, i, h: (c, i, h, 0)),
-                jax.ShapeDtypeStruct((num_chunks, C, HV, width), dtype))
-
-    query_spec = pl.BlockSpec(
-        (squeezed, C, query_heads, K),
-        lambda c, i, h: (c, 0, h * diagonal_heads // group // query_heads, 0))
-    (kk_spec, kk_shape), (qk_spec, qk_shape) = (diagonal_spec(SUB_BLOCK, jnp.float32),
-                                                diagonal_spec(SUB_BLOCK, dot_dtype))
-    kk_diag, qk_diag = pl.pallas_call(
-        functools.partial(diagonal_kernel, scale=scale, group=group),
-        grid=(num_chunks, C, HV // diagonal_heads),
-        in_specs=[live_spec, query_spec, query_spec,
-                  pl.BlockSpec((squeezed, C, diagonal_heads, K), lambda c, i, h: (c, 0, h, 0)),
-                  pl.BlockSpec((squeezed, C, diagonal_heads), lambda c, i, h: (c, 0, h))],
-        out_specs=[kk_spec, qk_spec],
-        out_shape=[kk_shape, qk_shape],
-        compiler_params=pallas_backend.compiler_params(num_warps=config.diagonal_num_warps,
-                                                       num_stages=1),
-        interpret=interpret,
-        name="kda_chunk_diagonal",
-    )(live_chunks, q_c, k_c, gc, beta_c)
+    kk_diag, qk_diag = diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, group=group, scale=scale,
+                                      config=config, interpret=interpret)
     parts_and_aqk = []
     for block in range(C // SUB_BLOCK):  # one call per row block: its code has static offsets
         parts_and_aqk = pl.pallas_call(
