@@ -229,11 +229,12 @@ def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
 
 
 @pytest.mark.parametrize(("query_heads", "value_heads", "diagonal_heads"),
-                         [(1, 2, 1), (1, 2, 2), (2, 4, 4), (2, 2, 2), (4, 4, 2)])
+                         [(1, 2, 1), (1, 2, 2), (2, 4, 4), (2, 2, 2), (4, 4, 2), (1, 3, 4)])
 def test_per_chunk_kernels_match_reference_for_head_blocks(query_heads, value_heads,
                                                            diagonal_heads):
-    """The in-block pairs take `diagonal_heads` value heads per program: fewer than, as many
-    as, or more than the value heads sharing a query head, and blocks without GVA."""
+    """The in-block pairs take up to `diagonal_heads` value heads per program: fewer than, as
+    many as, or more than the value heads sharing a query head, blocks without GVA, and a head
+    count the setting does not divide (three heads, at most four per program: one program)."""
     rng = np.random.default_rng(8)
     wide = 32
     cu = np.array([0, 70, 200], np.int32)
@@ -279,10 +280,9 @@ def test_prefill_rejects_bad_shapes():
     with pytest.raises(TypeError, match="float32"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.bfloat16), slots,
                               jnp.array([0, 8], jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match="diagonal_heads"):  # 3 of 4 value heads per program
-        kda.chunk_kda_prefill(q, k, *(x.repeat(2, axis=1) for x in (v, g, beta, pool)), slots,
-                              jnp.array([0, 8], jnp.int32),
-                              config=kda.ChunkConfig(diagonal_heads=3), interpret=True)
+    with pytest.raises(ValueError, match="diagonal_heads"):
+        kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 8], jnp.int32),
+                              config=kda.ChunkConfig(diagonal_heads=0), interpret=True)
     with pytest.raises(ValueError, match="multiple"):
         kda.chunk_kda(q[None].repeat(3, 2), k[None].repeat(3, 2), v[None], g[None], beta[None],
                       interpret=True)
@@ -296,3 +296,10 @@ def test_interpret_none_means_interpret_on_cpu():
     assert pallas_backend.resolve_interpret(False) is False
     with pytest.raises(TypeError):
         pallas_backend.resolve_interpret("yes")
+
+
+@pytest.mark.parametrize(("most", "value_heads", "group", "expected"),
+                         [(4, 32, 1, 4), (4, 3, 3, 3), (4, 6, 3, 3), (4, 6, 2, 2), (4, 12, 3, 3),
+                          (8, 16, 4, 8), (1, 32, 2, 1)])
+def test_diagonal_heads_per_program(most, value_heads, group, expected):
+    assert kda_intra.diagonal_heads(most, value_heads, group) == expected

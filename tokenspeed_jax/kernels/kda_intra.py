@@ -1,27 +1,29 @@
-"""The per-chunk half of KDA's chunked prefill: three Pallas kernels over 64-token chunks.
+"""The per-chunk half of KDA's chunked prefill: four Pallas kernels over 64-token chunks.
 
 The cumsum kernel, one program per (chunk, value head), writes gc, the in-chunk cumulative log
-gate, which the other two read. For one chunk and value head, let
+gate, which the others read. For one chunk and value head, let
 kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
 diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
-M = (I + D)^-1 E. The scores kernel, one call per 16-row block with one program per (chunk, value
-head), forms the block's rows of kk and of the causal query-key matrix (scaled), inverts its
-diagonal block and writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of
-the diagonal blocks). The solve kernel, one program per (chunk, value head), finishes the inverse
-and writes w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing
-here depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
+M = (I + D)^-1 E. The diagonal kernel, one program per chunk row (and a few value heads), forms
+the row's entries of D and of the causal query-key matrix inside its 16-row block. The scores
+kernel, one call per 16-row block with one program per (chunk, value head), forms the block's
+entries left of its diagonal block, inverts that block and writes its rows of M + (I + D)^-1
+(the two never share an entry: M lies left of the diagonal blocks) and of the query-key matrix.
+The solve kernel, one program per (chunk, value head), finishes the inverse and writes
+w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing here
+depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
 the outputs.
 
 Invariants:
 - Every exponent is <= 0, so g down to -100 (and far below) underflows to 0 and never overflows.
   A pair (i, j) with j in an earlier 16-row block than i meets through the first row r of i's
   block, exp(gc_i - gc_r) * exp(gc_r - gc_j): one dot per 64-key slice. A pair inside a block
-  gets its exact pairwise decay exp(min(gc_i - gc_j, 0)) (the clamp only touches pairs j > i,
-  which the masks drop), as a broadcast product over [key_split, 16, 16] per slice of
-  `key_split` keys, reduced over its leading (in-thread) axis. Those slices run in a
-  `fori_loop`: unrolled, the compiler hoists every slice's loads and the kernel spills.
-- Programs are small on purpose: a program holds one row block's products or one chunk's
-  solve, so an SM holds several and their memory waits overlap.
+  gets its exact pairwise decay exp(gc_i - gc_j) (j <= i): the diagonal kernel walks only the
+  keys j <= i of its row's block (a loop of dynamic length, as a token-parallel kernel), one
+  [heads, K] product and two row sums per key. A 16-row program would spend the same exps on
+  the pairs j > i too, and assemble its [16, 16] block from per-key columns.
+- Programs are small on purpose: a program holds one row, one row block's products or one
+  chunk's solve, so an SM holds several and their memory waits overlap.
 - A row block meets only the keys before it. Each block is its own call (its offsets static:
   under a branch on the block id the compiler took 180-255 registers), so block b decays and
   multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
@@ -31,7 +33,10 @@ Invariants:
   block (no two threads store to one address, so no ordering between them is needed). Columns
   of parts after the diagonal block are never written: the solve kernel masks them out.
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
-  squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
+  squarings, in dots that keep fp32 (the powers can cancel, so nothing there may round below
+  it). The scores kernel's [16, 16] dots are fp32 FMAs (`Precision.HIGHEST`): at that size they
+  beat three-pass TF32 (fewer instructions, no operand splitting); the solve kernel's [64, 64]
+  ones are three-pass TF32 (`exact`): fp32 FMAs there made the per-chunk stage twice as slow.
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
 - v and g are read where they lie ([T, HV, *]): the cumsum and solve kernels take a chunk's
   rows through its token indices (clamped into the array, padding rows zeroed), which saves
@@ -158,14 +163,13 @@ def score_rows(
     *,
     scale: float,
     precision,
-    exact,
 ):
     f32 = jnp.float32
     chunk, head_k = k_ref.shape
     start = block * SUB_BLOCK
     rows = pl.ds(start, SUB_BLOCK)
 
-    exact_dot = functools.partial(dot, precision=exact)
+    exact_dot = functools.partial(dot, precision=lax.Precision.HIGHEST)
     block_inverse = nilpotent_inverse(kk_diag_ref[rows, :], SUB_BLOCK, exact_dot)
     parts_ref[:, rows] = block_inverse
     aqk_ref[:, rows] = qk_diag_ref[rows, :].astype(aqk_ref.dtype)
@@ -263,16 +267,23 @@ def _column_slices(width: int):
     return [pl.ds(first, step) for first in range(0, width, step)]
 
 
+def diagonal_heads(most: int, value_heads: int, group: int) -> int:
+    """The value heads per diagonal program: the largest count up to ``most`` that divides
+    ``value_heads`` and that divides, or is a multiple of, the ``group`` value heads sharing a
+    query head (so a program's query heads are one block of them)."""
+    if most < 1:
+        raise ValueError(f"diagonal_heads must be at least 1, got {most}")
+    return max(h for h in range(1, min(most, value_heads) + 1)
+               if value_heads % h == 0 and (h % group == 0 or group % h == 0))
+
+
 def diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, *, group: int, scale: float,
                    config: ChunkConfig, interpret: bool):
     """`diagonal_rows` over every chunk row: q_c, k_c [NC, C, H, K], gc [NC, C, HV, K] fp32,
     beta_c [NC, C, HV], live_chunks i32[1]; returns kk [NC, C, HV, 16] fp32 and qk in q's
     dtype (bf16 or fp32)."""
     num_chunks, C, HV, K = gc.shape
-    heads = min(config.diagonal_heads, HV)
-    if HV % heads or (heads > group and heads % group) or (heads < group and group % heads):
-        raise ValueError(f"{config.diagonal_heads=} must divide {HV=} and divide or be a "
-                         f"multiple of the {group=} value heads per query head")
+    heads = diagonal_heads(config.diagonal_heads, HV, group)
     squeezed = pl.squeezed
     query_heads = max(1, heads // group)
     query_spec = pl.BlockSpec((squeezed, C, query_heads, K),
@@ -343,8 +354,7 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
     parts_and_aqk = []
     for block in range(C // SUB_BLOCK):  # one call per row block: its code has static offsets
         parts_and_aqk = pl.pallas_call(
-            functools.partial(scores_kernel, block=block, scale=scale, precision=precision,
-                              exact=exact),
+            functools.partial(scores_kernel, block=block, scale=scale, precision=precision),
             grid=(num_chunks, HV),
             in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
                       chunk_spec(K, own_head), beta_spec, chunk_spec(SUB_BLOCK, own_head),
