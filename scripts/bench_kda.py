@@ -37,7 +37,7 @@ PREFILL_CASES = {"T=2048": [2048], "T=8192": [8192], "T=32768": [32768], "16x102
 SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parallel
 DECODE_BATCHES = (1, 64, 256)
 VARIANTS = {  # our prefill under other settings, timed at T=8192 and T=32768
-    "pallas-key_split16": kda.ChunkConfig(key_split=16),
+    "pallas-diagonal_heads1": kda.ChunkConfig(diagonal_heads=1, diagonal_num_warps=1),
     "pallas-scores_warps8": kda.ChunkConfig(scores_num_warps=8),
     "pallas-solve_warps8": kda.ChunkConfig(solve_num_warps=8),
 }

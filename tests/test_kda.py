@@ -174,20 +174,6 @@ def test_nilpotent_inverse_matches_numpy(nilpotency):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_block_pairs_match_pairwise_sums_under_strong_decay():
-    rng = np.random.default_rng(9)
-    sub, keys = kda_intra.SUB_BLOCK, 8
-    q, k = rng.standard_normal((2, sub, keys))
-    gc = np.cumsum(-rng.uniform(0.0, 1.0, (sub, keys)), axis=0)
-    gc[6:] -= 100.0  # a step of -100 inside the block
-    got_kk, got_qk = kda_intra.block_pairs(*(jnp.asarray(x, jnp.float32) for x in (q, k, gc)))
-    assert np.all(np.isfinite(got_kk)) and np.all(np.isfinite(got_qk))
-    j, i = np.arange(sub)[:, None], np.arange(sub)[None, :]  # the result is indexed (j, i)
-    decay = np.exp(np.minimum(gc[i] - gc[j], 0.0))
-    np.testing.assert_allclose(got_kk, np.sum(k[i] * k[j] * decay, -1), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got_qk, np.sum(q[i] * k[j] * decay, -1), rtol=1e-5, atol=1e-5)
-
-
 def test_per_chunk_kernels_match_numpy_under_strong_decay():
     """Both per-chunk kernels against float64 numpy: the query-key matrix, and w and u through
     the inverse, with steps of -100 inside and across 16-row blocks and two 64-key slices."""
@@ -242,24 +228,29 @@ def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
         assert not np.allclose(first[:, 1], both[:, 1])
 
 
-@pytest.mark.parametrize("key_split", [8, 16, 32])
-def test_per_chunk_kernels_match_reference_with_split_keys(key_split):
+@pytest.mark.parametrize(("query_heads", "value_heads", "diagonal_heads"),
+                         [(1, 2, 1), (1, 2, 2), (2, 4, 4), (2, 2, 2), (4, 4, 2), (1, 3, 4)])
+def test_per_chunk_kernels_match_reference_for_head_blocks(query_heads, value_heads,
+                                                           diagonal_heads):
+    """The in-block pairs take up to `diagonal_heads` value heads per program: fewer than, as
+    many as, or more than the value heads sharing a query head, blocks without GVA, and a head
+    count the setting does not divide (three heads, at most four per program: one program)."""
     rng = np.random.default_rng(8)
-    wide = 32  # one to four key slices in the per-chunk kernel's loop
+    wide = 32
     cu = np.array([0, 70, 200], np.int32)
-    q = rng.standard_normal((200, 1, wide)).astype(np.float32)
-    k = rng.standard_normal((200, 1, wide)).astype(np.float32)
+    q = rng.standard_normal((200, query_heads, wide)).astype(np.float32)
+    k = rng.standard_normal((200, query_heads, wide)).astype(np.float32)
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((200, 2, wide)).astype(np.float32)
-    g = -rng.uniform(0.0, 1.0, (200, 2, wide)).astype(np.float32)
+    v = rng.standard_normal((200, value_heads, wide)).astype(np.float32)
+    g = -rng.uniform(0.0, 1.0, (200, value_heads, wide)).astype(np.float32)
     g[rng.uniform(size=g.shape) < 0.05] = -100.0
-    beta = rng.uniform(0.05, 1.0, (200, 2)).astype(np.float32)
+    beta = rng.uniform(0.05, 1.0, (200, value_heads)).astype(np.float32)
     inputs = tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
-    pool = jnp.asarray(rng.standard_normal((2, 2, wide, wide)).astype(np.float32))
+    pool = jnp.asarray(rng.standard_normal((2, value_heads, wide, wide)).astype(np.float32))
     o_ref, s_ref = reference(inputs, cu, pool)
     o, new_pool = kda.chunk_kda_prefill(
         *inputs, pool, jnp.array([0, 1], jnp.int32), jnp.asarray(cu), interpret=True,
-        config=kda.ChunkConfig(key_split=key_split))
+        config=kda.ChunkConfig(diagonal_heads=diagonal_heads))
     assert rel_err(o, o_ref) < 1e-4
     np.testing.assert_allclose(new_pool, s_ref, rtol=1e-4, atol=1e-4)
 
@@ -289,9 +280,9 @@ def test_prefill_rejects_bad_shapes():
     with pytest.raises(TypeError, match="float32"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.bfloat16), slots,
                               jnp.array([0, 8], jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match="key_split"):
+    with pytest.raises(ValueError, match="diagonal_heads"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 8], jnp.int32),
-                              config=kda.ChunkConfig(key_split=3), interpret=True)
+                              config=kda.ChunkConfig(diagonal_heads=0), interpret=True)
     with pytest.raises(ValueError, match="multiple"):
         kda.chunk_kda(q[None].repeat(3, 2), k[None].repeat(3, 2), v[None], g[None], beta[None],
                       interpret=True)
@@ -305,3 +296,10 @@ def test_interpret_none_means_interpret_on_cpu():
     assert pallas_backend.resolve_interpret(False) is False
     with pytest.raises(TypeError):
         pallas_backend.resolve_interpret("yes")
+
+
+@pytest.mark.parametrize(("most", "value_heads", "group", "expected"),
+                         [(4, 32, 1, 4), (4, 3, 3, 3), (4, 6, 3, 3), (4, 6, 2, 2), (4, 12, 3, 3),
+                          (8, 16, 4, 8), (1, 32, 2, 1)])
+def test_diagonal_heads_per_program(most, value_heads, group, expected):
+    assert kda_intra.diagonal_heads(most, value_heads, group) == expected

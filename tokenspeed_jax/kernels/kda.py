@@ -66,7 +66,8 @@ class ChunkConfig:
     """Tuning knobs of the chunked prefill kernels."""
 
     block_v: int = 32  # V columns of state per scan program
-    key_split: int = 8  # K channels per broadcast product of the in-block pairs
+    diagonal_heads: int = 4  # at most this many value heads per program of the in-block pairs
+    diagonal_num_warps: int = 2
     scores_num_warps: int = 4
     solve_num_warps: int = 4
     scan_num_warps: int = 4

@@ -1,27 +1,29 @@
-"""The per-chunk half of KDA's chunked prefill: three Pallas kernels over 64-token chunks.
+"""The per-chunk half of KDA's chunked prefill: four Pallas kernels over 64-token chunks.
 
 The cumsum kernel, one program per (chunk, value head), writes gc, the in-chunk cumulative log
-gate, which the other two read. For one chunk and value head, let
+gate, which the others read. For one chunk and value head, let
 kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
 diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
-M = (I + D)^-1 E. The scores kernel, one call per 16-row block with one program per (chunk, value
-head), forms the block's rows of kk and of the causal query-key matrix (scaled), inverts its
-diagonal block and writes its rows of M + (I + D)^-1 (the two never share an entry: M lies left of
-the diagonal blocks). The solve kernel, one program per (chunk, value head), finishes the inverse
-and writes w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing
-here depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
+M = (I + D)^-1 E. The diagonal kernel, one program per chunk row (and a few value heads), forms
+the row's entries of D and of the causal query-key matrix inside its 16-row block. The scores
+kernel, one call per 16-row block with one program per (chunk, value head), forms the block's
+entries left of its diagonal block, inverts that block and writes its rows of M + (I + D)^-1
+(the two never share an entry: M lies left of the diagonal blocks) and of the query-key matrix.
+The solve kernel, one program per (chunk, value head), finishes the inverse and writes
+w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing here
+depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
 the outputs.
 
 Invariants:
 - Every exponent is <= 0, so g down to -100 (and far below) underflows to 0 and never overflows.
   A pair (i, j) with j in an earlier 16-row block than i meets through the first row r of i's
   block, exp(gc_i - gc_r) * exp(gc_r - gc_j): one dot per 64-key slice. A pair inside a block
-  gets its exact pairwise decay exp(min(gc_i - gc_j, 0)) (the clamp only touches pairs j > i,
-  which the masks drop), as a broadcast product over [key_split, 16, 16] per slice of
-  `key_split` keys, reduced over its leading (in-thread) axis. Those slices run in a
-  `fori_loop`: unrolled, the compiler hoists every slice's loads and the kernel spills.
-- Programs are small on purpose: a program holds one row block's products or one chunk's
-  solve, so an SM holds several and their memory waits overlap.
+  gets its exact pairwise decay exp(gc_i - gc_j) (j <= i): the diagonal kernel walks only the
+  keys j <= i of its row's block (a loop of dynamic length, as a token-parallel kernel), one
+  [heads, K] product and two row sums per key. A 16-row program would spend the same exps on
+  the pairs j > i too, and assemble its [16, 16] block from per-key columns.
+- Programs are small on purpose: a program holds one row, one row block's products or one
+  chunk's solve, so an SM holds several and their memory waits overlap.
 - A row block meets only the keys before it. Each block is its own call (its offsets static:
   under a branch on the block id the compiler took 180-255 registers), so block b decays and
   multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
@@ -31,7 +33,10 @@ Invariants:
   block (no two threads store to one address, so no ordering between them is needed). Columns
   of parts after the diagonal block are never written: the solve kernel masks them out.
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
-  squarings, in `exact` dots (the powers can cancel, so nothing there rounds below fp32).
+  squarings, in dots that keep fp32 (the powers can cancel, so nothing there may round below
+  it). The scores kernel's [16, 16] dots are fp32 FMAs (`Precision.HIGHEST`): at that size they
+  beat three-pass TF32 (fewer instructions, no operand splitting); the solve kernel's [64, 64]
+  ones are three-pass TF32 (`exact`): fp32 FMAs there made the per-chunk stage twice as slow.
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
 - v and g are read where they lie ([T, HV, *]): the cumsum and solve kernels take a chunk's
   rows through its token indices (clamped into the array, padding rows zeroed), which saves
@@ -92,16 +97,6 @@ def nilpotent_inverse(strict, nilpotency: int, matmul):
     return inverse
 
 
-def block_pairs(q, k, gc):
-    """One 16-row block's pairs over one key slice ([16, key_split] q, k, gc): (k_i . k_j,
-    q_i . k_j) with the exact decay exp(min(gc_i - gc_j, 0)), each [16, 16] indexed (j, i) (the
-    layout the product reduces into; callers sum slices and transpose once). The product runs
-    over [key, j, i], so each thread reduces its own key axis."""
-    q, k, gc = q.T, k.T, gc.T
-    decayed = k[:, :, None] * decay(jnp.minimum(gc[:, None, :] - gc[:, :, None], 0.0))
-    return tuple(jnp.sum(x[:, None, :] * decayed, axis=0) for x in (k, q))
-
-
 def token_rows(ref, tokens, head: jax.Array, cols=slice(None)) -> jax.Array:
     """One chunk's rows of ``ref [T, HV, width]`` for ``head``: token ``tokens[i]`` (i32[C]) in
     row i, zeros where ``tokens[i] == T`` (padding). The index is clamped first, so no load
@@ -121,45 +116,67 @@ def cumsum_kernel(live_ref, tokens_ref, g_ref, gc_ref):
         gc_ref[...] = jnp.cumsum(token_rows(g_ref, tokens_ref[...], head), axis=0)
 
 
+def diagonal_rows(
+    row,  # this program's row of the chunk
+    q_ref,  # [C, Hq, K]: the chunk's query heads that this program's value heads read
+    k_ref,  # [C, Hq, K]
+    gc_ref,  # [C, heads, K] fp32
+    beta_ref,  # [C, heads]
+    kk_ref,  # [heads, 16] fp32: beta_i k_i . k_j exp(gc_i - gc_j), j < i in the row's block
+    qk_ref,  # [heads, 16]  scale q_i . k_j exp(gc_i - gc_j), j <= i in the row's block
+    *,
+    scale: float,
+    group: int,
+):
+    f32 = jnp.float32
+    heads = kk_ref.shape[0]
+    shared = lax.broadcasted_iota(jnp.int32, (heads,), 0) // group  # each value head's q/k head
+    start = row // SUB_BLOCK * SUB_BLOCK
+    gc = gc_ref[row]
+    q = q_ref[row, shared].astype(f32) * scale
+    k = k_ref[row, shared].astype(f32)
+    column = lax.broadcasted_iota(jnp.int32, (heads, SUB_BLOCK), 1)
+
+    def earlier_key(j, sums):
+        decayed = k_ref[j, shared].astype(f32) * decay(gc - gc_ref[j])
+        at = column == j - start
+        return tuple(jnp.where(at, jnp.sum(x * decayed, axis=1)[:, None], total)
+                     for x, total in zip((k, q), sums))
+
+    zeros = jnp.zeros((heads, SUB_BLOCK), f32)
+    kk, qk = lax.fori_loop(start, row + 1, earlier_key, (zeros, zeros))
+    beta = beta_ref[row].astype(f32)[:, None]
+    kk_ref[...] = jnp.where(column < row - start, kk, 0.0) * beta
+    qk_ref[...] = qk.astype(qk_ref.dtype)
+
+
 def score_rows(
     block: int,  # this call's 16-row block of the chunk (static)
     q_ref,  # [C, K]
     k_ref,  # [C, K]
     gc_ref,  # [C, K] fp32, in-chunk cumulative log decay
     beta_ref,  # [C]
+    kk_diag_ref,  # [C, 16] fp32, `diagonal_rows`'s kk of every row
+    qk_diag_ref,  # [C, 16]  and its qk
     parts_ref,  # [16, C] fp32, this block's rows of M + (I + D)^-1
     aqk_ref,  # [16, C]  this block's rows of the causal scale * q_i . k_j * exp(gc_i - gc_j)
     *,
     scale: float,
-    key_split: int,
     precision,
-    exact,
 ):
     f32 = jnp.float32
     chunk, head_k = k_ref.shape
     start = block * SUB_BLOCK
     rows = pl.ds(start, SUB_BLOCK)
 
-    def key_slice(s, within):  # within: both [16, 16] sums, indexed (j, i)
-        keys = pl.ds(pl.multiple_of(s * key_split, key_split), key_split)
-        pairs = block_pairs(q_ref[rows, keys].astype(f32) * scale,
-                            k_ref[rows, keys].astype(f32), gc_ref[rows, keys])
-        return tuple(total + pair for total, pair in zip(within, pairs))
-
-    zeros = jnp.zeros((SUB_BLOCK, SUB_BLOCK), f32)
-    within_kk, within_qk = lax.fori_loop(0, head_k // key_split, key_slice, (zeros, zeros))
-
-    i = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 0)
-    j = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 1)
-    beta = beta_ref[rows].astype(f32)[:, None]
-    exact_dot = functools.partial(dot, precision=exact)
-    block_inverse = nilpotent_inverse(jnp.where(i > j, within_kk.T, 0.0) * beta, SUB_BLOCK,
-                                      exact_dot)
+    exact_dot = functools.partial(dot, precision=lax.Precision.HIGHEST)
+    block_inverse = nilpotent_inverse(kk_diag_ref[rows, :], SUB_BLOCK, exact_dot)
     parts_ref[:, rows] = block_inverse
-    aqk_ref[:, rows] = jnp.where(i >= j, within_qk.T, 0.0).astype(aqk_ref.dtype)
+    aqk_ref[:, rows] = qk_diag_ref[rows, :].astype(aqk_ref.dtype)
 
     if block:  # the earlier blocks' keys: the narrowest power-of-two width (>= 32) holding them
         width = max(2 * SUB_BLOCK, 1 << (start - 1).bit_length())
+        beta = beta_ref[rows].astype(f32)[:, None]
         earlier = pl.ds(0, width)
         is_earlier = lax.broadcasted_iota(jnp.int32, (width, 1), 0) < start
         across_kk = across_qk = jnp.zeros((SUB_BLOCK, width), f32)
@@ -224,12 +241,17 @@ def solve_chunk(
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
 
 
-def scores_kernel(live_ref, q_ref, k_ref, gc_ref, beta_ref, *out_refs, block: int, **params):
-    """``score_rows`` of row block ``block`` for a live chunk. ``out_refs`` end with parts and
-    aqk; before them, for every block but the first, the same two buffers as aliased inputs
-    (the earlier calls' rows), which this call leaves alone."""
-    pl.when(chunk_is_live(live_ref))(lambda: score_rows(block, q_ref, k_ref, gc_ref, beta_ref,
-                                                        *out_refs[-2:], **params))
+def diagonal_kernel(live_ref, *refs, **params):
+    """``diagonal_rows`` for a live chunk; the row is read here, outside the branch."""
+    row = pl.program_id(1)
+    pl.when(chunk_is_live(live_ref))(lambda: diagonal_rows(row, *refs, **params))
+
+
+def scores_kernel(live_ref, *refs, block: int, **params):
+    """``score_rows`` of row block ``block`` for a live chunk. ``refs`` are its six inputs,
+    then (for every block but the first) the parts and aqk buffers as aliased inputs (the
+    earlier calls' rows, left alone here), then the same two as outputs."""
+    pl.when(chunk_is_live(live_ref))(lambda: score_rows(block, *refs[:6], *refs[-2:], **params))
 
 
 def solve_kernel(live_ref, *refs, **params):
@@ -245,6 +267,44 @@ def _column_slices(width: int):
     return [pl.ds(first, step) for first in range(0, width, step)]
 
 
+def diagonal_heads(most: int, value_heads: int, group: int) -> int:
+    """The value heads per diagonal program: the largest count up to ``most`` that divides
+    ``value_heads`` and that divides, or is a multiple of, the ``group`` value heads sharing a
+    query head (so a program's query heads are one block of them)."""
+    if most < 1:
+        raise ValueError(f"diagonal_heads must be at least 1, got {most}")
+    return max(h for h in range(1, min(most, value_heads) + 1)
+               if value_heads % h == 0 and (h % group == 0 or group % h == 0))
+
+
+def diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, *, group: int, scale: float,
+                   config: ChunkConfig, interpret: bool):
+    """`diagonal_rows` over every chunk row: q_c, k_c [NC, C, H, K], gc [NC, C, HV, K] fp32,
+    beta_c [NC, C, HV], live_chunks i32[1]; returns kk [NC, C, HV, 16] fp32 and qk in q's
+    dtype (bf16 or fp32)."""
+    num_chunks, C, HV, K = gc.shape
+    heads = diagonal_heads(config.diagonal_heads, HV, group)
+    squeezed = pl.squeezed
+    query_heads = max(1, heads // group)
+    query_spec = pl.BlockSpec((squeezed, C, query_heads, K),
+                              lambda c, i, h: (c, 0, h * heads // group // query_heads, 0))
+    pair_spec = pl.BlockSpec((squeezed, squeezed, heads, SUB_BLOCK), lambda c, i, h: (c, i, h, 0))
+    return pl.pallas_call(
+        functools.partial(diagonal_kernel, scale=scale, group=group),
+        grid=(num_chunks, C, HV // heads),
+        in_specs=[pl.BlockSpec(index_map=lambda *_: (0,)), query_spec, query_spec,
+                  pl.BlockSpec((squeezed, C, heads, K), lambda c, i, h: (c, 0, h, 0)),
+                  pl.BlockSpec((squeezed, C, heads), lambda c, i, h: (c, 0, h))],
+        out_specs=[pair_spec, pair_spec],
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, C, HV, SUB_BLOCK), dtype)
+                   for dtype in (jnp.float32, q_c.dtype)],
+        compiler_params=pallas_backend.compiler_params(num_warps=config.diagonal_num_warps,
+                                                       num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_diagonal",
+    )(live_chunks, q_c, k_c, gc, beta_c)
+
+
 def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scale: float,
                 config: ChunkConfig, interpret: bool):
     """The per-chunk kernels over chunked q_c, k_c [NC, C, H, K] and beta_c [NC, C, HV], and
@@ -253,9 +313,6 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
     tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32 (each chunk's
     total log decay), garbage past the live chunks."""
     (num_chunks, C), (_, HV, K) = tokens.shape, g.shape
-    key_split = min(config.key_split, K)
-    if K % key_split:
-        raise ValueError(f"{K=} must be a multiple of {key_split=}")
     V = v.shape[-1]
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
     exact = (lax.Precision.HIGHEST if interpret or v.dtype == jnp.float32
@@ -292,23 +349,25 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
         interpret=interpret,
         name="kda_chunk_cumsum",
     )(live_chunks, tokens, g.astype(jnp.float32))
+    kk_diag, qk_diag = diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, group=group, scale=scale,
+                                      config=config, interpret=interpret)
     parts_and_aqk = []
     for block in range(C // SUB_BLOCK):  # one call per row block: its code has static offsets
         parts_and_aqk = pl.pallas_call(
-            functools.partial(scores_kernel, block=block, scale=scale, key_split=key_split,
-                              precision=precision, exact=exact),
+            functools.partial(scores_kernel, block=block, scale=scale, precision=precision),
             grid=(num_chunks, HV),
             in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
-                      chunk_spec(K, own_head), beta_spec] + [whole] * len(parts_and_aqk),
+                      chunk_spec(K, own_head), beta_spec, chunk_spec(SUB_BLOCK, own_head),
+                      chunk_spec(SUB_BLOCK, own_head)] + [whole] * len(parts_and_aqk),
             out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
                                     lambda c, h, b=block: (h, c, b, 0))] * 2,
             out_shape=[chunked(C, jnp.float32), chunked(C)],
-            input_output_aliases={5: 0, 6: 1} if parts_and_aqk else {},
+            input_output_aliases={7: 0, 8: 1} if parts_and_aqk else {},
             compiler_params=pallas_backend.compiler_params(num_warps=config.scores_num_warps,
                                                            num_stages=1),
             interpret=interpret,
             name="kda_chunk_scores",
-        )(live_chunks, q_c, k_c, gc, beta_c, *parts_and_aqk)
+        )(live_chunks, q_c, k_c, gc, beta_c, kk_diag, qk_diag, *parts_and_aqk)
     parts, aqk = parts_and_aqk
 
     def out_spec(width):
