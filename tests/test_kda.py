@@ -303,3 +303,39 @@ def test_interpret_none_means_interpret_on_cpu():
                           (8, 16, 4, 8), (1, 32, 2, 1)])
 def test_diagonal_heads_per_program(most, value_heads, group, expected):
     assert kda_intra.diagonal_heads(most, value_heads, group) == expected
+
+
+@pytest.mark.parametrize(("requests", "value_width", "dtype", "config", "expected"), [
+    (1, 128, jnp.bfloat16, kda.ChunkConfig(), (32, 3)),  # 128 programs: one wave
+    (2, 128, jnp.bfloat16, kda.ChunkConfig(), (64, 3)),
+    (4, 128, jnp.bfloat16, kda.ChunkConfig(), (128, 2)),
+    (16, 128, jnp.bfloat16, kda.ChunkConfig(), (128, 1)),  # 512 programs at best: share SMs
+    (16, 128, jnp.float32, kda.ChunkConfig(), (32, 2)),
+    (2, 96, jnp.bfloat16, kda.ChunkConfig(), (96, 2)),  # 64 does not divide 96
+    (1, 16, jnp.bfloat16, kda.ChunkConfig(), (16, 3)),
+    (16, 128, jnp.bfloat16, kda.ChunkConfig(block_v=64), (64, 3)),
+    (1, 128, jnp.bfloat16, kda.ChunkConfig(num_stages=1), (32, 1)),
+    (1, 128, jnp.float32, kda.ChunkConfig(num_stages=3), (32, 2)),
+])
+def test_scan_blocking_for_32_value_heads(requests, value_width, dtype, config, expected):
+    assert kda.scan_blocking(requests, 32, value_width, dtype, config) == expected
+
+
+@pytest.mark.parametrize("scan_wave", [132, 1])
+def test_prefill_matches_reference_with_narrow_and_whole_scan_blocks(scan_wave):
+    """64 value columns: two 32-column scan blocks in one wave, or with a wave of one program,
+    one whole-V block at one stage."""
+    rng = np.random.default_rng(13)
+    q, k, _, g, beta = random_inputs(rng, 200)
+    v = jnp.asarray(rng.standard_normal((200, HV, 64)).astype(np.float32))
+    cu = np.array([0, 70, 200], np.int32)
+    pool = jnp.asarray(rng.standard_normal((2, HV, K, 64)).astype(np.float32))
+    config = kda.ChunkConfig(scan_wave=scan_wave)
+    expected_block = 32 if scan_wave > 1 else 64
+    assert kda.scan_blocking(2, HV, 64, jnp.bfloat16, config)[0] == expected_block
+    o_ref, s_ref = reference((q, k, v, g, beta), cu, pool)
+    o, new_pool = kda.chunk_kda_prefill(q, k, v.astype(jnp.bfloat16), g, beta, pool,
+                                        jnp.array([0, 1], jnp.int32), jnp.asarray(cu),
+                                        config=config, interpret=True)
+    assert rel_err(o, o_ref) < 1e-2
+    np.testing.assert_allclose(new_pool, s_ref, rtol=2e-2, atol=2e-2)
