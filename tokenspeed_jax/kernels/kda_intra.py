@@ -228,14 +228,17 @@ def solve_chunk(
     t_mat = exact_dot(nilpotent_inverse(across, chunk // SUB_BLOCK, exact_dot),
                       jnp.where(row_block == col_block, parts, 0.0))
 
+    operand = u_ref.dtype  # the dot dtype: bf16 operands (fp32 sums) for bf16 inputs
+    t_mat = t_mat.astype(operand)
     tokens = tokens_ref[...]
     for cols in _column_slices(v_ref.shape[-1]):
         v = token_rows(v_ref, tokens, head, cols).astype(f32)
-        u_ref[:, cols] = dot(t_mat, v * beta, precision).astype(u_ref.dtype)
+        u_ref[:, cols] = dot(t_mat, (v * beta).astype(operand), precision).astype(u_ref.dtype)
     for keys in _column_slices(k_ref.shape[1]):
         gc = gc_ref[:, keys]
         k = k_ref[:, keys].astype(f32)
-        w_ref[:, keys] = dot(t_mat, k * decay(gc) * beta, precision).astype(w_ref.dtype)
+        w_ref[:, keys] = dot(t_mat, (k * decay(gc) * beta).astype(operand),
+                             precision).astype(w_ref.dtype)
         qg_ref[:, keys] = (q_ref[:, keys].astype(f32) * scale * decay(gc)).astype(qg_ref.dtype)
         last = gc_ref[pl.ds(chunk - 1, 1), keys]
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
