@@ -37,6 +37,9 @@ Invariants:
   it). The scores kernel's [16, 16] dots are fp32 FMAs (`Precision.HIGHEST`): at that size they
   beat three-pass TF32 (fewer instructions, no operand splitting); the solve kernel's [64, 64]
   ones are three-pass TF32 (`exact`): fp32 FMAs there made the per-chunk stage twice as slow.
+- The solve kernel's inverse stays fp32; its products with v and k then take operands in the
+  dot dtype (bf16 for bf16 inputs, fp32 sums), as the scan's do: u and w are stored in it
+  anyway, and fp32 operands held twice the registers (218 against 188 per thread, offline).
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
 - v and g are read where they lie ([T, HV, *]): the cumsum and solve kernels take a chunk's
   rows through its token indices (clamped into the array, padding rows zeroed), which saves
