@@ -37,6 +37,9 @@ Invariants:
   it). The scores kernel's [16, 16] dots are fp32 FMAs (`Precision.HIGHEST`): at that size they
   beat three-pass TF32 (fewer instructions, no operand splitting); the solve kernel's [64, 64]
   ones are three-pass TF32 (`exact`): fp32 FMAs there made the per-chunk stage twice as slow.
+- The solve kernel's inverse stays fp32; its products with v and k then take operands in the
+  dot dtype (bf16 for bf16 inputs, fp32 sums), as the scan's do: u and w are stored in it
+  anyway, and fp32 operands held twice the registers (218 against 188 per thread, offline).
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
 - v and g are read where they lie ([T, HV, *]): the cumsum and solve kernels take a chunk's
   rows through its token indices (clamped into the array, padding rows zeroed), which saves
@@ -228,14 +231,17 @@ def solve_chunk(
     t_mat = exact_dot(nilpotent_inverse(across, chunk // SUB_BLOCK, exact_dot),
                       jnp.where(row_block == col_block, parts, 0.0))
 
+    operand = u_ref.dtype  # the dot dtype: bf16 operands (fp32 sums) for bf16 inputs
+    t_mat = t_mat.astype(operand)
     tokens = tokens_ref[...]
     for cols in _column_slices(v_ref.shape[-1]):
         v = token_rows(v_ref, tokens, head, cols).astype(f32)
-        u_ref[:, cols] = dot(t_mat, v * beta, precision).astype(u_ref.dtype)
+        u_ref[:, cols] = dot(t_mat, (v * beta).astype(operand), precision).astype(u_ref.dtype)
     for keys in _column_slices(k_ref.shape[1]):
         gc = gc_ref[:, keys]
         k = k_ref[:, keys].astype(f32)
-        w_ref[:, keys] = dot(t_mat, k * decay(gc) * beta, precision).astype(w_ref.dtype)
+        w_ref[:, keys] = dot(t_mat, (k * decay(gc) * beta).astype(operand),
+                             precision).astype(w_ref.dtype)
         qg_ref[:, keys] = (q_ref[:, keys].astype(f32) * scale * decay(gc)).astype(qg_ref.dtype)
         last = gc_ref[pl.ds(chunk - 1, 1), keys]
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
