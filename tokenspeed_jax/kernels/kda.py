@@ -264,7 +264,6 @@ def chunk_kda_prefill(
         q, k, v, g, beta, state_pool, slots, cu_seqlens)
     if (checkpoint_offsets is None) != (checkpoint_slots is None):
         raise ValueError("checkpoint_offsets and checkpoint_slots come together")
-    scan_blocking(num_requests, HV, V, v.dtype, config)  # rejects a block_v that does not divide V
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
 

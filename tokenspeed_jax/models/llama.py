@@ -3,8 +3,9 @@
 The forward is exposed as stages so the segmented-compile engine can run attention outside the
 model: ``embed`` -> per layer ``attention_inputs`` / (attention) / ``attention_outputs`` ->
 ``head``; a kernel that rotates q and k itself takes ``unrotated_attention_inputs`` and the
-layer-independent ``rotary_tables`` instead. ``LlamaForCausalLM.__call__`` is the plain reference forward over a dense KV cache and
-is built from the same stage methods, so there is one copy of the layer math.
+layer-independent ``rotary_tables`` instead. ``LlamaForCausalLM.__call__`` is the plain
+reference forward over a dense KV cache and is built from the same stage methods, so there is
+one copy of the layer math.
 
 Invariants:
 
