@@ -210,14 +210,11 @@ def prefill_stages(lengths, calls=10):
 
     @jax.jit
     def to_chunks(q, k, v, g, beta):
-        q, k, g = kda_ref.prepare_qkg(q, k, g, use_qk_l2norm_in_kernel=True,
-                                      use_gate_in_kernel=False, A_log=None, dt_bias=None)
         token_of_row, first_chunk, _ = kda._chunk_layout(cu, num_tokens, num_chunks)
-        q_c, k_c, beta_c = (kda._to_chunks(x, token_of_row) for x in (q, k, beta))
-        return [q_c, k_c, v, g, beta_c, token_of_row], first_chunk
+        return [q, k, v, g, kda._to_chunks(beta, token_of_row), token_of_row], first_chunk
 
-    intra = jax.jit(functools.partial(kda.intra_stage, group=1, scale=K**-0.5, config=config,
-                                      interpret=False))
+    intra = jax.jit(functools.partial(kda.intra_stage, group=1, scale=K**-0.5, normalize_qk=True,
+                                      config=config, interpret=False))
     scan = jax.jit(functools.partial(kda.scan_stage, out_dtype=jnp.bfloat16, config=config,
                                      interpret=False))
     chunks, first_chunk = to_chunks(q, k, v, g, beta)

@@ -175,25 +175,25 @@ def test_nilpotent_inverse_matches_numpy(nilpotency):
 
 
 def test_per_chunk_kernels_match_numpy_under_strong_decay():
-    """Both per-chunk kernels against float64 numpy: the query-key matrix, and w and u through
-    the inverse, with steps of -100 inside and across 16-row blocks and two 64-key slices."""
+    """The per-chunk kernels against float64 numpy: the query-key matrix, and w and u through
+    the inverse, with steps of -100 inside and across 16-row blocks and two 64-key slices; q
+    and k arrive unnormalised and the kernels L2-normalise them."""
     rng = np.random.default_rng(11)
     chunk, width, scale = 64, 128, 0.3
-    q, k = rng.standard_normal((2, 1, chunk, 1, width))
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    q, k = rng.standard_normal((2, chunk, 1, width))
     v = rng.standard_normal((1, chunk, 1, width))
     g = -rng.uniform(0.0, 1.0, (1, chunk, 1, width))
     g[0, [2, 9, 21, 40], 0, :] = -100.0
     beta = rng.uniform(0.05, 1.0, (1, chunk, 1))
-    q_c, k_c, v_t, g_t, beta_c = (jnp.asarray(x, jnp.float32) for x in (
+    q_t, k_t, v_t, g_t, beta_c = (jnp.asarray(x, jnp.float32) for x in (
         q, k, v.reshape(chunk, 1, width), g.reshape(chunk, 1, width), beta))
     qg, w, kg, u, aqk, glast = kda_intra.intra_stage(
-        q_c, k_c, v_t, g_t, beta_c, jnp.arange(chunk)[None], jnp.array([1]), group=1,
-        scale=scale, config=kda.ChunkConfig(), interpret=True)
+        q_t, k_t, v_t, g_t, beta_c, jnp.arange(chunk)[None], jnp.array([1]), group=1,
+        scale=scale, normalize_qk=True, config=kda.ChunkConfig(), interpret=True)
     assert all(np.all(np.isfinite(x)) for x in (qg, w, kg, u, aqk))
 
     gc = np.cumsum(g[0, :, 0], axis=0)
-    qs, ks = q[0, :, 0], k[0, :, 0]
+    qs, ks = (x[:, 0] / np.linalg.norm(x[:, 0], axis=-1, keepdims=True) for x in (q, k))
     i, j = np.arange(chunk)[:, None], np.arange(chunk)[None, :]
     decay = np.exp(np.where((i >= j)[:, :, None], gc[:, None, :] - gc[None, :, :], -np.inf))
     np.testing.assert_allclose(aqk[0, 0], scale * np.einsum("id,jd,ijd->ij", qs, ks, decay),
@@ -211,17 +211,15 @@ def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
     """Two chunks of tokens, one declared live: the first chunk's outputs are the ones of a
     call with both live, and nothing computed lands in the second (it is never read)."""
     rng = np.random.default_rng(12)
-    q, k = rng.standard_normal((2, 2, 64, 1, 32))
-    v = rng.standard_normal((2, 64, 1, 32))
-    g = -rng.uniform(0.0, 1.0, (2, 64, 1, 32))
+    q, k, v = rng.standard_normal((3, 128, 1, 32))
+    g = -rng.uniform(0.0, 1.0, (128, 1, 32))
     beta = rng.uniform(0.05, 1.0, (2, 64, 1))
-    inputs = tuple(jnp.asarray(x, jnp.float32) for x in (
-        q, k, v.reshape(128, 1, 32), g.reshape(128, 1, 32), beta)) + (
+    inputs = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)) + (
         jnp.arange(128).reshape(2, 64),)
 
     def outputs(live):
         return kda_intra.intra_stage(*inputs, jnp.array([live]), group=1, scale=0.3,
-                                     config=kda.ChunkConfig(), interpret=True)
+                                     normalize_qk=True, config=kda.ChunkConfig(), interpret=True)
 
     for both, first in zip(outputs(2), outputs(1)):  # qg, w, kg, u, aqk [HV, NC, ...], glast
         np.testing.assert_array_equal(first[:, 0], both[:, 0])

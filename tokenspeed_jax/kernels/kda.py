@@ -267,15 +267,15 @@ def chunk_kda_prefill(
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
 
-    q, k, g = prepare_qkg(q, k, g, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    q, k, g = prepare_qkg(q, k, g, use_qk_l2norm_in_kernel=False,  # the kernels normalise
                           use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     num_chunks = pl.cdiv(T, CHUNK_SIZE) + num_requests
     token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)
-    q_c, k_c, beta_c = (_to_chunks(x, token_of_row) for x in (q, k, beta))
-
-    intra_out = intra_stage(q_c, k_c, v, g, beta_c, token_of_row, first_chunk[-1], group=group,
-                            scale=scale, config=config, interpret=interpret)
+    intra_out = intra_stage(q, k, v, g, _to_chunks(beta, token_of_row), token_of_row,
+                            first_chunk[-1], group=group, scale=scale,
+                            normalize_qk=use_qk_l2norm_in_kernel, config=config,
+                            interpret=interpret)
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
     o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,
                                  config=config, interpret=interpret)

@@ -43,8 +43,9 @@ Invariants:
 - The Triton lowering slices refs, not values: every sub-block or key slice is a ref load.
 - v and g are read where they lie ([T, HV, *]): the cumsum and solve kernels take a chunk's
   rows through its token indices (clamped into the array, padding rows zeroed), which saves
-  gathering them into chunks. q, k and beta arrive chunked (q and k are L2-normalised by XLA
-  first, so that pass writes them anyway).
+  gathering them into chunks. q and k are read so too, by their own kernel, which normalises
+  them and writes them chunked once for the others (the diagonal kernel reads a row up to 16
+  times); in XLA, the norms and the gather were two passes. beta arrives chunked.
 - gc is formed once, by its own kernel: XLA's cumsum (an associative scan that fuses with the
   chunk gather and recomputes) cost more than both other kernels' loads of gc, and a scan inside
   the scores and solve kernels slowed them by half.
@@ -61,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.kda_ref import l2_normalize
 from tokenspeed_jax.kernels.kernel_math import dot, dot_nt
 
 if TYPE_CHECKING:
@@ -117,6 +119,20 @@ def cumsum_kernel(live_ref, tokens_ref, g_ref, gc_ref):
     @pl.when(chunk_is_live(live_ref))
     def _():
         gc_ref[...] = jnp.cumsum(token_rows(g_ref, tokens_ref[...], head), axis=0)
+
+
+def queries_keys_kernel(live_ref, tokens_ref, q_ref, k_ref, q_c_ref, k_c_ref, *,
+                        normalize: bool):
+    """The chunk's rows of q and k ([T, H, K]) for this program's query head, L2-normalised in
+    fp32 when ``normalize`` (the reference's formula), written chunked ([C, K] blocks)."""
+    head = pl.program_id(1)
+
+    @pl.when(chunk_is_live(live_ref))
+    def _():
+        tokens = tokens_ref[...]
+        for x_ref, out_ref in ((q_ref, q_c_ref), (k_ref, k_c_ref)):
+            rows = token_rows(x_ref, tokens, head)
+            out_ref[...] = (l2_normalize(rows) if normalize else rows).astype(out_ref.dtype)
 
 
 def diagonal_rows(
@@ -311,13 +327,13 @@ def diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, *, group: int, scale: floa
     )(live_chunks, q_c, k_c, gc, beta_c)
 
 
-def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scale: float,
-                config: ChunkConfig, interpret: bool):
-    """The per-chunk kernels over chunked q_c, k_c [NC, C, H, K] and beta_c [NC, C, HV], and
-    v [T, HV, V] and the log gate g [T, HV, K] read in place through ``tokens`` (i32[NC, C], the
-    token of each chunk row, T for padding), of which the first ``live_chunks`` (i32[1]) hold
-    tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and glast [HV, NC, K] fp32 (each chunk's
-    total log decay), garbage past the live chunks."""
+def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: float,
+                normalize_qk: bool, config: ChunkConfig, interpret: bool):
+    """The per-chunk kernels over chunked beta_c [NC, C, HV], and q, k [T, H, K] (L2-normalised
+    here when ``normalize_qk``), v [T, HV, V] and the log gate g [T, HV, K] read in place
+    through ``tokens`` (i32[NC, C], the token of each chunk row, T for padding), of which the
+    first ``live_chunks`` (i32[1]) hold tokens: returns qg, w, kg, u, aqk [HV, NC, C, *] and
+    glast [HV, NC, K] fp32 (each chunk's total log decay), garbage past the live chunks."""
     (num_chunks, C), (_, HV, K) = tokens.shape, g.shape
     V = v.shape[-1]
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -355,6 +371,16 @@ def intra_stage(q_c, k_c, v, g, beta_c, tokens, live_chunks, *, group: int, scal
         interpret=interpret,
         name="kda_chunk_cumsum",
     )(live_chunks, tokens, g.astype(jnp.float32))
+    q_c, k_c = pl.pallas_call(
+        functools.partial(queries_keys_kernel, normalize=normalize_qk),
+        grid=(num_chunks, q.shape[1]),
+        in_specs=[live_spec, tokens_spec, whole, whole],
+        out_specs=[chunk_spec(K, own_head)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, C, *q.shape[1:]), q.dtype)] * 2,
+        compiler_params=pallas_backend.compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="kda_chunk_queries_keys",
+    )(live_chunks, tokens, q, k)
     kk_diag, qk_diag = diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, group=group, scale=scale,
                                       config=config, interpret=interpret)
     parts_and_aqk = []
