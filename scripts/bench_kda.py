@@ -38,7 +38,7 @@ SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parall
 DECODE_BATCHES = (1, 64, 256)
 VARIANTS = {  # our prefill under other settings, timed at T=8192 and T=32768
     "pallas-diagonal_heads1": kda.ChunkConfig(diagonal_heads=1, diagonal_num_warps=1),
-    "pallas-scores_warps8": kda.ChunkConfig(scores_num_warps=8),
+    "pallas-scores_warps4": kda.ChunkConfig(scores_num_warps=4),
     "pallas-solve_warps8": kda.ChunkConfig(solve_num_warps=8),
 }
 VARIANT_CASES = ("T=8192", "T=32768")

@@ -68,7 +68,7 @@ class ChunkConfig:
     block_v: int | None = None  # V columns of state per scan program (None: `scan_blocking`)
     diagonal_heads: int = 4  # at most this many value heads per program of the in-block pairs
     diagonal_num_warps: int = 2
-    scores_num_warps: int = 4
+    scores_num_warps: int = 2
     solve_num_warps: int = 4
     scan_num_warps: int = 4
     num_stages: int | None = None  # the scan's load pipeline depth (None: `scan_blocking`)
