@@ -99,6 +99,23 @@ def test_chunk_form_matches_recurrence_with_gate_and_l2norm():
     assert rel_err(s_chk, np.asarray(s_rec)) < 1e-5
 
 
+def test_chunk_kernel_normalises_and_gates_inside_like_the_recurrence():
+    """q and k unnormalised at three times unit scale, the raw gate: the kernel's own L2 norm
+    (its q/k kernel) and gate against the recurrence doing both, over a ragged GVA batch."""
+    rng = np.random.default_rng(5)
+    q, k, v, g, beta = random_inputs(rng, 150)
+    kw = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True,
+          "A_log": jnp.asarray(rng.standard_normal(HV), jnp.float32),
+          "dt_bias": jnp.asarray(rng.standard_normal(HV * K), jnp.float32),
+          "initial_state": jnp.asarray(rng.standard_normal((2, HV, K, V)), jnp.float32),
+          "output_final_state": True, "cu_seqlens": np.array([0, 17, 150])}
+    batched = [x[None] * 3 for x in (q, k)] + [x[None] for x in (v, g, beta)]
+    o_ref, s_ref = kda_ref.recurrent_kda_reference(*batched, **kw)
+    o, s = kda.chunk_kda(*batched, interpret=True, **kw)
+    assert rel_err(o, np.asarray(o_ref)) < 1e-4
+    assert rel_err(s, np.asarray(s_ref)) < 1e-4
+
+
 @pytest.fixture(scope="module")
 def ragged_batch():
     """Requests of LENGTHS plus one padded request, packed into a bucket with spare tokens."""
