@@ -45,6 +45,7 @@ from tokenspeed_jax.engine.model_runner import ModelRunner
 from tokenspeed_jax.engine.sampler import SamplingArrays
 from tokenspeed_jax.engine.sampling_plans import fetch_sampled, step_output
 from tokenspeed_jax.graph import run_eager, whole_forward
+from tokenspeed_jax.graph.compile import direct_call
 from tokenspeed_jax.graph.guard import allowed
 from tokenspeed_jax.kernels.paged_attention_backend import (
     FUSED,
@@ -300,22 +301,31 @@ def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[
 
 
 def bench_call_paths(iters: int) -> dict[str, float]:
-    """Host cost of calling a tiny executable: ``Compiled.__call__`` vs the raw executable."""
+    """Host cost of calling a tiny executable with n arguments and n outputs, 100 calls back to
+    back, every output wrapped as a ``jax.Array`` as a caller needs it: ``Compiled.__call__``;
+    the raw executable with its results taken apart in Python; the raw executable with the
+    executable's own result handlers (what plan replay does)."""
     out = {}
     for num_args in (1, 20):
         args = [jnp.ones((8,), jnp.float32) for _ in range(num_args)]
-        compiled = jax.jit(lambda *xs: sum(xs)).trace(*args).lower().compile()
-        raw = compiled.runtime_executable()
+        compiled = jax.jit(lambda *xs: tuple(x + 1 for x in xs)).trace(*args).lower().compile()
+        raw, handlers = direct_call(compiled, num_args)
 
         def via_compiled(compiled=compiled, args=args):
             jax.block_until_ready([compiled(*args) for _ in range(100)])
 
-        def via_raw(raw=raw, args=args):
-            results = [raw.execute_sharded(args) for _ in range(100)]
-            results[-1].disassemble_into_single_device_arrays()[0][0].block_until_ready()
+        def via_disassembly(raw=raw, args=args):
+            jax.block_until_ready([
+                [shards[0] for shards in raw.execute_sharded(args)
+                 .disassemble_into_single_device_arrays()] for _ in range(100)])
 
-        out[f"compiled_call_{num_args}_args_us"] = timed(via_compiled, iters) * 1e4
-        out[f"execute_sharded_{num_args}_args_us"] = timed(via_raw, iters) * 1e4
+        def via_handlers(raw=raw, handlers=handlers, args=args):
+            jax.block_until_ready([raw.execute_sharded(args).consume_with_handlers(handlers)
+                                   for _ in range(100)])
+
+        for name, fn in (("compiled_call", via_compiled), ("execute_disassemble", via_disassembly),
+                         ("execute_handlers", via_handlers)):
+            out[f"{name}_{num_args}_args_us"] = timed(fn, iters) * 1e4
     return out
 
 

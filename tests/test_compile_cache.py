@@ -95,6 +95,7 @@ def child(options: dict) -> None:
         "backend_compiles": counts[BACKEND_COMPILE], "traces": counts[TRACE],
         "lowerings": counts[LOWER], "loaded": summary.num_loaded,
         "compiled": summary.num_compiled, "executables": summary.num_executables,
+        "direct": summary.num_direct,
         "outputs": outputs, "logprobs": logprobs, "package": package_source_hash(),
         "runtime_compiles": runner.stats()["runtime_compiles"],
     }))
@@ -139,6 +140,7 @@ def cold(tmp_path_factory) -> tuple[Path, dict]:
     result = start(directory)
     assert result["loaded"] == 0
     assert result["compiled"] == result["executables"] == NUM_EXECUTABLES
+    assert result["direct"] == NUM_EXECUTABLES  # every replay skips Compiled.__call__
     assert result["backend_compiles"] == NUM_EXECUTABLES
     assert len(list(directory.glob(f"*{SUFFIX}"))) == NUM_EXECUTABLES
     return directory, result
@@ -164,6 +166,7 @@ def test_warm_start_compiles_nothing_and_gives_identical_outputs(cold, tmp_path)
             return first, warm
         assert (warm["backend_compiles"], warm["traces"], warm["lowerings"]) == (0, 0, 0)
         assert warm["loaded"] == NUM_EXECUTABLES and warm["compiled"] == 0
+        assert warm["direct"] == NUM_EXECUTABLES  # deserialized executables too
         assert warm["outputs"] == first["outputs"]
         assert warm["logprobs"] == first["logprobs"]
         assert warm["runtime_compiles"] == 0

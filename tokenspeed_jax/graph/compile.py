@@ -17,9 +17,10 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
 * A cache entry that cannot be used (corrupt, incompatible) is logged, recompiled and replaced;
   the summary counts executables loaded and compiled, and the seconds each took (loads run on
   ``LOAD_THREADS`` threads: their seconds are the wall time of the whole load).
-* Every argument is kept (``keep_unused``), so a single-device executable can be called directly
-  with the flat argument list (``CompiledCall.raw``), skipping ``Compiled.__call__``'s pytree
-  and signature handling; XLA still checks every buffer's size at each call.
+* Every argument is kept (``keep_unused``), so an executable, sharded or not, can be called
+  directly with the flat argument list (``CompiledCall.direct``), skipping
+  ``Compiled.__call__``'s pytree and signature handling, its outputs wrapped by the
+  executable's own result handlers; XLA still checks every buffer's size at each call.
 * ``compiler_options`` (XLA options, as ``jax.stages.Lowered.compile`` takes them) apply to
   every executable of the compiler and are part of its cache key; XLA rejecting one is a
   ``CompileError`` like any other.
@@ -108,17 +109,28 @@ def _flat_function(call: Call, num_inputs: int, meta_tree: Any, num_meta: int, p
     return flat
 
 
-def _raw_executable(compiled: Any, num_args: int) -> Any | None:
-    """The loaded executable behind ``compiled`` when it can be called directly with the flat
-    argument list (one device, every argument kept, no hoisted constants), else None.
+def direct_call(compiled: Any, num_args: int) -> tuple[Any, tuple[Any, ...]] | None:
+    """The loaded executable behind ``compiled`` and its output result handlers, when it can
+    be called directly with the flat argument list (every argument kept, no hoisted
+    constants), else None.
 
-    Multi-device executables knowingly take ``Compiled.__call__``: the direct call returns
-    per-device shards that would have to be reassembled into global arrays in Python, which
-    costs more than it saves (see docs/parallel.md for the measurement)."""
+    The handlers are the ones ``Compiled.__call__`` itself hands its results to (jax's
+    ``ExecuteReplicated.out_handler``, a private attribute): they wrap each output buffer, or a
+    sharded output's per-device buffers, as one ``jax.Array`` in C++. Taking the results apart
+    in Python instead cost about 14 us more per call on the CPU, and for sharded outputs
+    reassembling the shards cost more than ``Compiled.__call__`` saves. A jax that moves the
+    attribute fails here, at start-up, by name."""
     raw = compiled.runtime_executable()
-    if len(raw.local_devices()) != 1 or len(raw.get_parameter_layouts()) != num_args:
+    if len(raw.get_parameter_layouts()) != num_args:
         return None
-    return raw
+    try:
+        handlers = tuple(compiled._executable.unsafe_call.out_handler.handlers)
+    except AttributeError as e:
+        raise RuntimeError(
+            f"jax {jax.__version__}: a compiled executable no longer exposes its result "
+            f"handlers where tokenspeed_jax reads them ({e}); graph/compile.py's direct_call "
+            "needs updating for this jax") from e
+    return raw, handlers
 
 
 @dataclasses.dataclass
@@ -135,7 +147,7 @@ class _Job:
     traced: Any = None
     out_info: tuple[Any, ...] = ()
     executable: Any = None
-    raw: Any = None
+    direct: tuple[Any, tuple[Any, ...]] | None = None  # `direct_call`'s pair
     seconds: float = 0.0
     loaded: bool = False
 
@@ -165,7 +177,8 @@ class _Job:
 class CompileSummary:
     """Start-up compile statistics: executables built, seconds per bucket label, total; how
     many executables were loaded from the cache and how many compiled, and the seconds each
-    took (tracing included in compile seconds)."""
+    took (tracing included in compile seconds); how many are called directly (`direct_call`),
+    the others through ``Compiled.__call__``."""
 
     num_executables: int
     num_calls: int
@@ -175,6 +188,7 @@ class CompileSummary:
     num_compiled: int = 0
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
+    num_direct: int = 0
 
     def describe(self) -> str:
         """One line: loaded vs compiled executables and their seconds."""
@@ -369,7 +383,7 @@ class PlanCompiler:
                 job.seconds += time.perf_counter() - t0
                 if job.entry is None:
                     bar.update()
-            job.raw = _raw_executable(job.executable, job.num_args)
+            job.direct = direct_call(job.executable, job.num_args)
         bar.close()
         per_label: dict[str, float] = {label: 0.0 for label, _, _ in self._plans}
         for job in pending:
@@ -380,7 +394,7 @@ class PlanCompiler:
                 CompiledCall(
                     name=call.stage.name,
                     executable=job.executable,
-                    raw=job.raw,
+                    direct=job.direct,
                     inputs=call.inputs,
                     outputs=call.outputs,
                     meta=meta,
@@ -402,5 +416,6 @@ class PlanCompiler:
             num_compiled=sum(not job.loaded for job in pending),
             load_seconds=load_seconds if any(job.loaded for job in pending) else 0.0,
             compile_seconds=sum(job.seconds for job in pending if not job.loaded),
+            num_direct=sum(job.direct is not None for job in self._jobs.values()),
         )
         return compiled, summary

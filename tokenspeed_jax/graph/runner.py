@@ -4,10 +4,10 @@
 
 * Each call is one executable invocation with a pre-flattened argument list (inputs, then the
   break's metadata, then the call's bound parameter leaves), so replay does no pytree work and
-  no tracing: a shape that does not match the bucket is an error, never a compile. Single-device
-  executables are invoked through the loaded executable directly (about half the host cost of
-  ``Compiled.__call__`` at 20 arguments on the CPU); multi-device (sharded) ones through
-  ``Compiled.__call__``.
+  no tracing: a shape that does not match the bucket is an error, never a compile. Executables
+  are invoked through the loaded executable directly, their outputs wrapped by the executable's
+  own result handlers (about half the host cost of ``Compiled.__call__`` at 20 arguments on the
+  CPU), sharded ones included: the handlers assemble a sharded output in C++.
 * A sharded plan (``meta_sharding`` set) places its metadata with that (replicated) sharding and
   moves any input not already on its compiled sharding there (a host array, or a single-device
   array such as freshly transferred token ids), so every executable sees the shardings it was
@@ -105,7 +105,7 @@ class CompiledCall:
     outputs: tuple[str, ...]
     meta: str | None
     param_leaves: tuple[Any, ...]
-    raw: Any = None  # the loaded executable, when it can be called with the flat list directly
+    direct: tuple[Any, tuple[Any, ...]] | None = None  # (loaded executable, result handlers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +173,12 @@ class CompiledPlan:
             if call.meta is not None:
                 args += device_meta[call.meta]
             args += call.param_leaves
-            if call.raw is not None:
-                results = call.raw.execute_sharded(args)
-                outs = [shards[0] for shards in results.disassemble_into_single_device_arrays()]
+            if call.direct is not None:
+                raw, handlers = call.direct
+                outs = raw.execute_sharded(args).consume_with_handlers(handlers)
             else:
                 outs = call.executable(*args)
-                if self.blocking:
-                    jax.block_until_ready(outs)
+            if self.blocking:
+                jax.block_until_ready(outs)
             values.update(zip(call.outputs, outs))
         return {n: values[n] for n in self.plan.outputs}
