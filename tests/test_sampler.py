@@ -16,6 +16,7 @@ from tokenspeed_jax.engine.sampler import (
     seed_key_data,
     top_logprobs,
 )
+from tokenspeed_jax.engine.sampling_plans import step_output
 from tokenspeed_jax.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample, static_argnames="top_k_cap")
@@ -268,3 +269,18 @@ def test_compiled_sampler_moves_no_data_to_the_host() -> None:
     with jax.transfer_guard("disallow"):
         tokens, logprobs = compiled(logits, arrays, counts)
     assert tokens.dtype == jnp.int32 and tokens.shape == (2,) and logprobs.shape == (2,)
+
+
+def test_step_output_joins_in_step_and_full_sampler_rows_in_order() -> None:
+    """Two in-step rows (token, logprob bits; no top entries) and one full-sampler row with two
+    top entries, joined and put back in request order: the narrow rows get zero top columns."""
+    def bits(*values):
+        return np.asarray(values, np.float32).view(np.int32)
+
+    in_step = np.stack([np.r_[[7], bits(-0.5)], np.r_[[9], bits(-1.5)]]).astype(np.int32)
+    full = np.r_[[3], bits(-0.25), [3, 4], bits(-0.25, -2.0)].astype(np.int32)[None]
+    out = step_output([in_step, full], order=np.array([2, 0, 1]))
+    np.testing.assert_array_equal(out.token_ids, [3, 7, 9])
+    np.testing.assert_array_equal(out.logprobs, np.float32([-0.25, -0.5, -1.5]))
+    np.testing.assert_array_equal(out.top_token_ids, [[3, 4], [0, 0], [0, 0]])
+    np.testing.assert_array_equal(out.top_logprobs, np.float32([[-0.25, -2.0], [0, 0], [0, 0]]))

@@ -109,7 +109,7 @@ def step_output(results: list[np.ndarray], order: np.ndarray | None = None) -> S
     the in-step sampler (k = 0) are widened with zeros to join full-sampler results; ``order``
     picks and orders the joined rows (``batch.split_decode_rows``)."""
     width = max(r.shape[1] for r in results)
-    joined = np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in results])
+    joined = np.concatenate([_widened(r, width) for r in results])
     if order is not None:
         joined = joined[order]
     k = (joined.shape[1] - 2) // 2
@@ -119,6 +119,16 @@ def step_output(results: list[np.ndarray], order: np.ndarray | None = None) -> S
         top_token_ids=joined[:, 2:2 + k].copy(),
         top_logprobs=joined[:, 2 + k:].copy().view(np.float32),
     )
+
+
+def _widened(rows: np.ndarray, width: int) -> np.ndarray:
+    """``rows`` with zero columns appended up to ``width`` (``np.pad`` costs about 20 us a
+    call, as much as the rest of a step's output handling)."""
+    if rows.shape[1] == width:
+        return rows
+    wide = np.zeros((rows.shape[0], width), rows.dtype)
+    wide[:, :rows.shape[1]] = rows
+    return wide
 
 
 def _resample(params: object, packed: Packed, logits: jax.Array) -> jax.Array:
