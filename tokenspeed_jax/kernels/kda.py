@@ -49,7 +49,7 @@ from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
     fla_to_packed,
-    prepare_qkg,
+    prepare_gate,
 )
 from tokenspeed_jax.kernels.kernel_math import dot, dot_tn
 
@@ -149,15 +149,20 @@ def scan_blocking(num_requests: int, value_heads: int, V: int, dot_dtype,
         block_v = min(config.block_v, V)
         if V % block_v:
             raise ValueError(f"{V=} must be a multiple of {block_v=}")
-        stages = 3 if block_v <= 64 else 2
+        stages = _full_depth(block_v)
     elif fp32_operands:
         block_v, stages = widths[0], 2
     else:
         fits = [b for b in widths if num_requests * value_heads * (V // b) <= config.scan_wave]
-        block_v, stages = (fits[0], 3 if fits[0] <= 64 else 2) if fits else (widths[-1], 1)
+        block_v, stages = (fits[0], _full_depth(fits[0])) if fits else (widths[-1], 1)
     if config.num_stages is not None:
         stages = config.num_stages
     return block_v, min(stages, 2) if fp32_operands else stages
+
+
+def _full_depth(block_v: int) -> int:
+    """The scan's pipeline stages for one program alone on an SM: 3 up to 64 columns, 2 above."""
+    return 3 if block_v <= 64 else 2
 
 
 def _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots):
@@ -267,8 +272,7 @@ def chunk_kda_prefill(
     scale = K**-0.5 if scale is None else float(scale)
     group = HV // H
 
-    q, k, g = prepare_qkg(q, k, g, use_qk_l2norm_in_kernel=False,  # the kernels normalise
-                          use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
+    g = prepare_gate(g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     num_chunks = pl.cdiv(T, CHUNK_SIZE) + num_requests
     token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)

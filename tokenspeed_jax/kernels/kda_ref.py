@@ -97,10 +97,17 @@ def prepare_qkg(
     """Applies the optional q/k normalisation and gate; g comes back in fp32 log space."""
     if use_qk_l2norm_in_kernel:
         q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
+    return q, k, prepare_gate(g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                              dt_bias=dt_bias)
+
+
+def prepare_gate(g: jax.Array, *, use_gate_in_kernel: bool, A_log: jax.Array | None,
+                 dt_bias: jax.Array | None) -> jax.Array:
+    """The optional gate applied to ``g`` [..., HV, K]; returned in fp32 log space."""
     gate = gate_params(use_gate_in_kernel, A_log, dt_bias, *g.shape[-2:])
     if gate is not None:
         g = _gate(g, *gate)
-    return q, k, g.astype(jnp.float32)
+    return g.astype(jnp.float32)
 
 
 def check_shapes(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
