@@ -199,3 +199,34 @@ def test_docs_example_runs(tmp_path):
     script = tmp_path / "graph_example.py"
     script.write_text(re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1))
     runpy.run_path(str(script), run_name="__main__")
+
+
+def test_positional_replay_matches_named_replay():
+    """A one-call plan carried from run to run: positional replay gives the named replay's
+    values, consumes its donated input and checks its metadata."""
+    step = Break("step", lambda params, meta, x, n: (x * meta["factor"][:, None], n + 1),
+                 ("x", "n"), ("x", "n"), donate=("x",))
+    plan = Plan([Call(step)], ("x", "n"), ("x", "n"))
+    compiler = PlanCompiler(progress=False)
+    compiler.add("rows=16", plan, {"x": jax.ShapeDtypeStruct((16, WIDTH), jnp.float32),
+                                   "n": jax.ShapeDtypeStruct((), jnp.int32)},
+                 {"step": {"factor": jax.ShapeDtypeStruct((16,), jnp.float32)}})
+    compiled = compiler.compile_all()[0]["rows=16"]
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(16, WIDTH)).astype(np.float32)
+    factors = [rng.uniform(0.5, 2.0, 16).astype(np.float32) for _ in range(3)]
+    named = {"x": jax.device_put(x), "n": jax.device_put(np.int32(0))}
+    carried = [jax.device_put(x), jax.device_put(np.int32(0))]
+    for factor in factors:
+        named = compiled.run(named, {"step": {"factor": factor}})
+        donated = carried[0]
+        carried = compiled.run_positional(carried, {"step": {"factor": factor}})
+        assert donated.is_deleted()
+    expected = x * np.prod(factors, axis=0)[:, None]
+    np.testing.assert_allclose(np.asarray(carried[0]), expected, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(carried[0]), np.asarray(named["x"]))
+    assert int(carried[1]) == int(named["n"]) == 3
+    with pytest.raises(TypeError, match="metadata"):
+        compiled.run_positional(carried, {"step": {"factor": np.ones(16, np.int32)}})
+    with pytest.raises(ValueError, match="one-call"):
+        compile_plan()[0]["rows=16"].run_positional([jax.device_put(x)], {})

@@ -643,10 +643,10 @@ class ModelRunner:
         self.counters["decode_graph_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
-        out = plan.run({**self.kv_caches(), "board": self.board}, meta)
-        self.store_kv_caches(out)
-        self.board = out["board"]
-        return out, rows
+        sampled, logits, self.board, *caches = plan.run_positional(
+            [*self.k_pages, *self.v_pages, self.board], meta)
+        self.k_pages, self.v_pages = caches[:self.num_layers], caches[self.num_layers:]
+        return {"sampled": sampled, "logits": logits}, rows
 
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""

@@ -17,8 +17,11 @@
   completes) when several multi-device executions are in flight at once; on accelerators calls
   stay asynchronous.
 * Each break's metadata is transferred to the device once per run, however many calls use it,
-  all breaks' metadata in one ``device_put`` call (pack it into few arrays: each array is one
-  host->device copy).
+  all breaks' metadata in one runtime call (``graph/transfer.py``; pack it into few arrays:
+  each array is one host->device copy).
+* ``run_positional`` replays a one-call plan on a list of inputs in the call's order and
+  returns its outputs in order: what a step that carries its outputs into the next run (a
+  decode step's caches) uses, with no name lookups or dicts on the way.
 * Donated inputs are consumed (their buffers become the outputs); the caller must not reuse
   arrays it passed as donated plan inputs.
 * ``run_eager`` executes the same plan op by op with no compile of the plan (plain JAX): it is
@@ -35,6 +38,7 @@ from typing import Any
 import jax
 
 from tokenspeed_jax.graph.plan import Break, Call, Plan
+from tokenspeed_jax.graph.transfer import default_sharding, put_host_leaves
 
 
 def call_stage(call: Call, meta: Mapping[str, Any], values: Mapping[str, Any],
@@ -141,17 +145,17 @@ class CompiledPlan:
         return tuple((name, tuple(jax.tree_util.tree_leaves(self.meta_specs[name])))
                      for name in self.plan.breaks)
 
-    def run(self, inputs: Mapping[str, Any], meta: Mapping[str, Any] | None = None
-            ) -> dict[str, Any]:
-        """Replay the plan; ``meta`` maps each break name to its host-built (numpy) pytree."""
+    @functools.cached_property
+    def _meta_target(self) -> Any:
+        """Where metadata goes: the plan's replicated sharding, else the default device."""
+        return self.meta_sharding if self.meta_sharding is not None else default_sharding()
+
+    def _device_meta(self, meta: Mapping[str, Any] | None) -> dict[str, list[Any]]:
+        """Each break's metadata leaves, checked against the bucket and transferred in one call."""
         meta = meta or {}
         missing = [n for n in self.plan.breaks if n not in meta]
         if missing:
             raise ValueError(f"{self.label}: no metadata for breaks {missing}")
-        for name, spec in self.input_specs.items():
-            self._check(f"input {name!r}", inputs[name], spec)
-        if self.meta_sharding is not None:
-            inputs = self._placed(inputs)
         host_leaves, counts = [], []
         for name, specs in self._meta_leaf_specs:
             leaves = jax.tree_util.tree_leaves(meta[name])
@@ -162,23 +166,58 @@ class CompiledPlan:
                 self._check(f"metadata of {name!r}", leaf, spec)
             host_leaves += leaves
             counts.append((name, len(leaves)))
-        placed = jax.device_put(host_leaves, self.meta_sharding)  # one transfer call per run
+        placed = put_host_leaves(host_leaves, self._meta_target)
         device_meta, start = {}, 0
         for name, count in counts:
             device_meta[name] = placed[start:start + count]
             start += count
+        return device_meta
+
+    def _invoke(self, call: CompiledCall, args: list[Any]) -> Sequence[Any]:
+        if call.direct is not None:
+            raw, handlers = call.direct
+            outs = raw.execute_sharded(args).consume_with_handlers(handlers)
+        else:
+            outs = call.executable(*args)
+        if self.blocking:
+            jax.block_until_ready(outs)
+        return outs
+
+    def run(self, inputs: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+            ) -> dict[str, Any]:
+        """Replay the plan; ``meta`` maps each break name to its host-built (numpy) pytree."""
+        for name, spec in self.input_specs.items():
+            self._check(f"input {name!r}", inputs[name], spec)
+        if self.meta_sharding is not None:
+            inputs = self._placed(inputs)
+        device_meta = self._device_meta(meta)
         values = dict(inputs)
         for call in self.calls:
             args = [values[n] for n in call.inputs]
             if call.meta is not None:
                 args += device_meta[call.meta]
             args += call.param_leaves
-            if call.direct is not None:
-                raw, handlers = call.direct
-                outs = raw.execute_sharded(args).consume_with_handlers(handlers)
-            else:
-                outs = call.executable(*args)
-            if self.blocking:
-                jax.block_until_ready(outs)
-            values.update(zip(call.outputs, outs))
+            values.update(zip(call.outputs, self._invoke(call, args)))
         return {n: values[n] for n in self.plan.outputs}
+
+    def run_positional(self, inputs: Sequence[Any], meta: Mapping[str, Any] | None = None
+                       ) -> list[Any]:
+        """Replay a one-call plan on its call's inputs in the call's order; its outputs in the
+        call's order. For a step that carries values from run to run (a decode step's caches):
+        no names, no dicts. Inputs are meant to be an earlier run's outputs, which have the
+        bucket's shapes, so they are not checked here (XLA still checks every buffer's size);
+        metadata is."""
+        if len(self.calls) != 1:
+            raise ValueError(f"{self.label}: positional replay needs a one-call plan, not "
+                             f"{len(self.calls)} calls")
+        (call,) = self.calls
+        if len(inputs) != len(call.inputs):
+            raise ValueError(f"{self.label}: {len(inputs)} inputs for {call.inputs}")
+        args = list(inputs)
+        if self.meta_sharding is not None:
+            placed = self._placed(dict(zip(call.inputs, args)))
+            args = [placed[n] for n in call.inputs]
+        if call.meta is not None:
+            args += self._device_meta(meta)[call.meta]
+        args += call.param_leaves
+        return list(self._invoke(call, args))
