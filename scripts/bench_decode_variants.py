@@ -9,8 +9,9 @@ only the decode graph (``bench_graph.decode_runner``) on the same random weights
 round, for every batch, each variant in turn times a whole step (median of 20) and a stretch of
 60 steps that run ahead (``bench_graph.run_ahead_steps``). Prints, per batch and variant, the
 median over rounds and the min-max spread, in ms. ``VARIANTS`` names what can be compared: XLA
-compiler options (``EngineConfig.xla_compiler_options``) and the fused decode kernel's knobs
-(most key splits, pages per key block; None = JAX's paged-attention op). Each variant compiles
+compiler options (``EngineConfig.xla_compiler_options``), the fused decode kernel's knobs
+(most key splits, pages per key block; None = JAX's paged-attention op) and
+``EngineConfig.stack_decode_weights`` (None = auto). Each variant compiles
 its own executables (the options are part of the cache key).
 """
 
@@ -26,12 +27,16 @@ from tokenspeed_jax.engine.batch import StepBatch
 
 SERIALIZE = ("xla_gpu_command_buffer_scheduling_mode=SERIALIZE",)
 ONE_SPLIT = (1, bench_graph.DEFAULT_FUSED[1])
-VARIANTS: dict[str, tuple[tuple[str, ...], tuple[int, int] | None]] = {
-    "default": ((), bench_graph.DEFAULT_FUSED),
-    "serialize": (SERIALIZE, bench_graph.DEFAULT_FUSED),
-    "one-split": ((), ONE_SPLIT),
-    "serialize-one-split": (SERIALIZE, ONE_SPLIT),
-    "op-route": ((), None),
+VARIANTS: dict[str, tuple[tuple[str, ...], tuple[int, int] | None, bool | None]] = {
+    "default": ((), bench_graph.DEFAULT_FUSED, None),
+    "serialize": (SERIALIZE, bench_graph.DEFAULT_FUSED, None),
+    "one-split": ((), ONE_SPLIT, None),
+    "serialize-one-split": (SERIALIZE, ONE_SPLIT, None),
+    "op-route": ((), None, None),
+    "stacked-weights": ((), bench_graph.DEFAULT_FUSED, True),
+    "per-layer-weights": ((), bench_graph.DEFAULT_FUSED, False),
+    "cublas-gemm": (("xla_gpu_enable_triton_gemm=false",), bench_graph.DEFAULT_FUSED, None),
+    "no-autotune": (("xla_gpu_autotune_level=0",), bench_graph.DEFAULT_FUSED, None),
 }
 STEP_ITERS = 20
 AHEAD_STEPS = 60
@@ -49,9 +54,10 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model = bench_graph.load_model(args.model, args.dtype, random_weights=True)
-    runners = {name: bench_graph.decode_runner(model, batches, args.context,
-                                               VARIANTS[name][1], VARIANTS[name][0])
-               for name in args.variants}
+    runners = {name: bench_graph.decode_runner(model, batches, args.context, fused, options,
+                                               stacked)
+               for name in args.variants
+               for options, fused, stacked in [VARIANTS[name]]}
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for batch in batches:

@@ -73,7 +73,7 @@ def test_config_rejects_bad_values_naming_them():
     for option in ("xla_cpu_enable_fast_math", "=true", " xla_x=1"):
         with pytest.raises(ValueError, match="xla_compiler_options"):
             EngineConfig(xla_compiler_options=(option,))
-    assert EngineConfig(xla_compiler_options=["a=b=c", "d="]).compiler_options == {
-        "a": "b=c", "d": ""}
+    assert EngineConfig(xla_compiler_options=["a=b=c", "d=", "e=false", "f=TRUE"]
+                        ).compiler_options == {"a": "b=c", "d": "", "e": False, "f": True}
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         EngineConfig(chunked_prefill_size=-1)

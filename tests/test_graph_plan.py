@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.graph import (
     Break,
     Call,
@@ -184,6 +185,11 @@ def test_compiler_options_reach_xla():
                  {"x": jax.ShapeDtypeStruct((16, WIDTH), jnp.float32)})
     with pytest.raises(CompileError, match=r"'block'.*rows=16.*NOT_A_MODE"):
         compiler.compile_all()
+    written = EngineConfig(xla_compiler_options=("xla_gpu_enable_triton_gemm=false",))
+    compiler = PlanCompiler(progress=False, compiler_options=written.compiler_options)
+    compiler.add("rows=16", Plan([Call(BLOCK, WEIGHTS[0])], ("x",), ("x",)),
+                 {"x": jax.ShapeDtypeStruct((16, WIDTH), jnp.float32)})
+    assert compiler.compile_all()[1].num_executables == 1
 
 
 def test_plan_rejects_reading_a_donated_value():

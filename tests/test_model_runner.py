@@ -514,3 +514,44 @@ def test_inline_prefill_attention_matches_reference(model):
         assert stats["runtime_compiles"] == 0
     finally:
         runner.guard.disarm()
+
+
+def decode_argument_count(runner) -> int:
+    (call,) = runner._decode_steps[2].calls
+    return len(call.inputs) + 1 + len(call.param_leaves)  # + the packed metadata
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer", "stacked"])
+def test_decode_weights_per_layer_or_stacked_match_reference(model, runner, stacked):
+    """Both ways of handing the decode step its layer weights give the reference forward's
+    tokens, log-probs and K/V pages. Stacked, the step takes one argument per weight kind
+    instead of one per layer and kind (the auto default for a model this small on a GPU)."""
+    config = dataclasses.replace(ENGINE, stack_decode_weights=stacked)
+    this = ModelRunner(model, config, 64, PAGE)
+    assert (this.stacked_layers is not None) == stacked
+    assert runner.stacked_layers is None  # auto, on the CPU
+    this.compile_all()
+    try:
+        generate(model, this, Pages(), prompts(91, 11, 6), steps=3)
+        assert this.stats()["decode_graph_runs"] == 3
+        assert this.stats()["runtime_compiles"] == 0
+        per_layer_leaves = len(jax.tree_util.tree_leaves(this.layer_states[0]))
+        saved = (CONFIG.num_hidden_layers - 1) * per_layer_leaves
+        expected = decode_argument_count(runner) - (saved if stacked else 0)
+        assert decode_argument_count(this) == expected
+    finally:
+        this.guard.disarm()
+
+
+def test_stacking_rule_follows_the_layer_weight_size():
+    small = [{"w": np.zeros((4, 4), np.float32)}] * 3
+    large = [{"w": np.broadcast_to(np.float32(0), (2**28 + 1,))}] * 2  # just over 2 GiB
+    rule = model_runner.stacks_decode_weights
+    assert rule(EngineConfig(), small, "gpu")
+    assert not rule(EngineConfig(), large, "gpu")
+    assert not rule(EngineConfig(), small, "cpu")
+    assert not rule(EngineConfig(tensor_parallel_size=2), small, "gpu")
+    assert rule(EngineConfig(stack_decode_weights=True), large, "cpu")
+    assert not rule(EngineConfig(stack_decode_weights=False), small, "gpu")
+    with pytest.raises(ValueError, match="stack_decode_weights"):
+        EngineConfig(stack_decode_weights=True, tensor_parallel_size=2)

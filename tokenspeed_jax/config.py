@@ -57,6 +57,13 @@ class EngineConfig:
     # (``kernels/paged_decode.py``); off: two scatters and JAX's paged-attention op
     # (Llama-family models).
     fused_decode_attention: bool = True
+    # Hand the decode step its layer weights as one stacked array per weight ([layers, ...], a
+    # copy made at start-up) instead of one argument per layer's weight: fewer executable
+    # arguments, less host time per step, for one more copy of the layer weights in device
+    # memory. None = auto: on a GPU for models whose layer weights take at most 2 GiB (small
+    # models, whose decode step is host-bound); off on the CPU, whose XLA backend copies the
+    # slices, and under tensor parallelism (Llama-family models).
+    stack_decode_weights: bool | None = None
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
     # Keep compiled executables on disk and load them on the next start instead of compiling.
@@ -125,6 +132,8 @@ class EngineConfig:
              f"prefix_granularity must be a multiple of 64, got {self.prefix_granularity}"),
             (self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (not (self.stack_decode_weights and self.tensor_parallel_size > 1),
+             "stack_decode_weights is not supported with tensor_parallel_size > 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -136,9 +145,13 @@ class EngineConfig:
                     or self.prefill_graph_max_tokens == 0)
 
     @property
-    def compiler_options(self) -> dict[str, str]:
-        """``xla_compiler_options`` as the mapping ``jax.stages.Lowered.compile`` takes."""
-        return dict(option.split("=", 1) for option in self.xla_compiler_options)
+    def compiler_options(self) -> dict[str, str | bool]:
+        """``xla_compiler_options`` as the mapping ``jax.stages.Lowered.compile`` takes;
+        "true" and "false" (any case) become booleans, the only spelling XLA's boolean options
+        accept besides "True" and "False"."""
+        options = dict(option.split("=", 1) for option in self.xla_compiler_options)
+        return {name: {"true": True, "false": False}.get(value.lower(), value)
+                for name, value in options.items()}
 
     @property
     def compile_cache_path(self) -> str | None:

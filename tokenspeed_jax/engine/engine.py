@@ -485,7 +485,14 @@ class EngineBundle:
 def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     """Load the model (unless ``loaded`` is given), size the KV cache, compile every executable,
     return a ready engine."""
-    from tokenspeed_jax.engine.model_runner import ModelRunner
+    import jax
+    from flax import nnx
+
+    from tokenspeed_jax.engine.model_runner import (
+        ModelRunner,
+        layer_weight_bytes,
+        stacks_decode_weights,
+    )
     from tokenspeed_jax.models.loader import load_model
 
     start = time.perf_counter()
@@ -516,6 +523,10 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         # KDA state rows are split by head: each device holds 1/N of every row
         reserved = -(-state_slots.num_slots * state_slot_bytes(loaded.config, dtype)
                      // parallel.mesh_size(mesh))
+    if state_slots is None:
+        layer_states = [nnx.state(layer) for layer in loaded.model.layers]
+        if stacks_decode_weights(config, layer_states, jax.default_backend()):
+            reserved += layer_weight_bytes(layer_states)  # the stacked copy
     num_pages = num_kv_pages(config, page_bytes, reserved)
     if state_slots is None:
         runner = ModelRunner(loaded.model, config, num_pages, config.page_size)

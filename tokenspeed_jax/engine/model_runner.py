@@ -10,6 +10,9 @@ Routes, chosen per step from static configuration and the step's sizes:
   array, a row per sequence), and reads a row's input token from the previous
   step's board when ``StepRequest.token_row`` asks: so ``launch`` can leave a decode step
   running, and the engine can launch the next one before the tokens reach the host.
+  With ``stack_decode_weights`` (auto for small models on a GPU) the executable takes each layer weight
+  stacked over the layers, a start-up copy, so its argument count does not grow with depth:
+  on a GPU each argument costs host time at every call.
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (on a
   GPU the fused kernel that also writes the step's K/V, or with ``fused_decode_attention`` off
   the Pallas op), so its cost follows the live context, not ``max_model_len``.
@@ -152,6 +155,7 @@ def split_requests(
 # writing each weight out whole: a one-request decode step runs on two rows instead (the
 # SmolLM2 shape's step took 3.27 ms on one row, 2.76 ms on two, on an H200).
 MIN_DECODE_ROWS = 2
+STACK_AUTO_MAX_BYTES = 2 * 2**30  # stack_decode_weights=None: stack layer weights up to this
 
 
 def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
@@ -203,6 +207,34 @@ class Buckets:
         return tuple(sorted({max(rows, MIN_DECODE_ROWS) for rows in self.decode_requests}))
 
 
+def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
+    """Bytes of every layer's weights together."""
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(list(layer_states)))
+
+
+def stacks_decode_weights(config: EngineConfig, layer_states: Sequence[Any],
+                          platform: str) -> bool:
+    """Whether the decode step takes stacked layer weights on ``platform`` (``EngineConfig``'s
+    rule)."""
+    if config.stack_decode_weights is not None:
+        return config.stack_decode_weights
+    return (platform == "gpu" and config.tensor_parallel_size == 1
+            and layer_weight_bytes(layer_states) <= STACK_AUTO_MAX_BYTES)
+
+
+def stack_layer_states(layer_states: Sequence[Any]) -> Any:
+    """One state whose every leaf stacks that leaf of each layer along a new leading axis."""
+    with startup():
+        return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layer_states)
+
+
+def unstack_layer_states(stacked: Any, num_layers: int) -> list[Any]:
+    """Inside a trace: each layer's state as static slices of the stacked leaves. On a GPU XLA
+    reads them in place (the products cost what separate weights cost); the CPU backend does
+    not (a SmolLM2 step 3.4x slower), hence auto only on GPUs."""
+    return [jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked) for i in range(num_layers)]
+
+
 class ModelRunner:
     """Runs engine steps of a stage-structured causal LM on a paged KV cache it owns."""
 
@@ -231,6 +263,8 @@ class ModelRunner:
                 raise ValueError(f"layer {index} differs in structure from layer 0")
         self._model_classes = {type(m) for _, m in nnx.iter_modules(model)}
         self.layer_states = [nnx.state(layer) for layer in layers]
+        stacked = stacks_decode_weights(config, self.layer_states, jax.default_backend())
+        self.stacked_layers = stack_layer_states(self.layer_states) if stacked else None
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
@@ -310,6 +344,8 @@ class ModelRunner:
         board, caches. A row with ``token_rows >= 0`` reads its input token from the board the
         previous decode step wrote."""
         outer_state, layer_states = params
+        if self.stacked_layers is not None:
+            layer_states = unstack_layer_states(layer_states, self.num_layers)
         meta = packed.unpack()
         *caches, board = values
         positions, slots = meta["positions"], meta["slot_mapping"]
@@ -321,8 +357,8 @@ class ModelRunner:
                                          kernel=self.decode_kernel)
 
         token_ids = read_tokens(meta["token_ids"], meta["token_rows"], board)
-        hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend,
-                                            attend_rotates=True)
+        hidden, *caches = self._every_layer((outer_state, layer_states), token_ids, positions,
+                                            caches, attend, attend_rotates=True)
         logits = self._outer(outer_state).head(hidden).astype(jnp.float32)
         sampled = fast_sample(unpack_sampling(meta), logits)
         return (sampled, logits, write_board(board, sampled), *caches)
@@ -395,7 +431,9 @@ class ModelRunner:
                                  ("sampled", "logits"))
         decoded = ("sampled", "logits", "board", *caches)
         decode = Break("decode", self._decode_step, (*caches, "board"), decoded, donate=caches)
-        self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
+        layers = (tuple(self.layer_states) if self.stacked_layers is None
+                  else self.stacked_layers)
+        self.decode_plan = Plan([Call(decode, (self.outer_state, layers))],
                                 (*caches, "board"), decoded)
 
     # ----------------------------------------------------------------- start-up compile

@@ -236,7 +236,7 @@ def executable_key(
     args: Sequence[Any],
     donate: Sequence[int],
     out_shardings: Sequence[Any] | None = None,
-    compiler_options: Mapping[str, str] | None = None,
+    compiler_options: Mapping[str, str | bool] | None = None,
 ) -> str | None:
     """The cache key of one executable (see the module docstring), or None: not cacheable.
     ``out_shardings``: the explicit output shardings of a sharded program; ``compiler_options``:

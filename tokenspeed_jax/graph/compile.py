@@ -215,7 +215,7 @@ class PlanCompiler:
         cache: ExecutableCache | None = None,
         fingerprint: str | None = None,
         mesh: Mesh | None = None,
-        compiler_options: Mapping[str, str] | None = None,
+        compiler_options: Mapping[str, str | bool] | None = None,
     ) -> None:
         """``cache``: look executables up there and store new ones. ``fingerprint``: a stable
         description of everything the stage functions read besides their arguments (needed to
