@@ -107,7 +107,8 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
     config = EngineConfig(
         prefill_graph_capture_token_sizes=tuple(sizes), prefill_graph_max_tokens=top,
         chunked_prefill_size=top, prefill_graph_capture_batch_sizes=(1,), prefill_graph_max_bs=1,
-        decode_graph_capture_batch_sizes=(1,), decode_graph_max_bs=1, max_model_len=top)
+        decode_graph_capture_batch_sizes=(1,), decode_graph_max_bs=1, max_model_len=top,
+        inline_prefill_attention=False)
     runner = ModelRunner(model, config, num_pages=top // PAGE_SIZE + 1, page_size=PAGE_SIZE)
     summary = runner.compile_all()
     print(summary.table())

@@ -286,7 +286,9 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
     command = [sys.executable, __file__, "--child", "--case", case, "--cache-dir", str(cache_dir)]
     command += ["--tiny"] * args.tiny + ["--random-weights"] * args.random_weights
     command += ["--server-ladder", str(args.server_ladder)] * bool(args.server_ladder)
-    command += ["--inline-prefill-attention"] * args.inline_prefill_attention
+    if args.inline_prefill_attention is not None:
+        command.append("--inline-prefill-attention" if args.inline_prefill_attention
+                       else "--no-inline-prefill-attention")
     command += ["--model", str(model_dir)] * (model_dir is not None)
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -351,8 +353,9 @@ def main() -> None:
     parser.add_argument("--server-ladder", type=int, metavar="TOKENS",
                         help="the server's default bucket ladders up to TOKENS per prefill step "
                              "(instead of 3 token buckets), for a start-up like the server's")
-    parser.add_argument("--inline-prefill-attention", action="store_true",
-                        help="prefill encoders with attention inside (EngineConfig's option)")
+    parser.add_argument("--inline-prefill-attention", action=argparse.BooleanOptionalAction,
+                        help="prefill encoders with attention inside, or not (EngineConfig's "
+                             "option; unset: its auto rule)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)

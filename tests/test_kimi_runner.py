@@ -33,9 +33,9 @@ CONFIG = EngineConfig(
 
 
 def test_llama_only_settings_are_logged_as_ignored(caplog):
-    """``inline_prefill_attention`` and ``fused_decode_attention`` name Llama-family routes: the
-    Kimi runner says it ignores each when set away from its default, and says nothing at the
-    defaults."""
+    """``inline_prefill_attention``, ``fused_decode_attention`` and ``stack_decode_weights`` name
+    Llama-family routes: the Kimi runner says it ignores each when set away from its default,
+    and says nothing at the defaults."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
 
     def warnings(config):
@@ -45,8 +45,10 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
         return [record.message for record in caplog.records]
 
     changed = warnings(dataclasses.replace(CONFIG, inline_prefill_attention=True,
-                                           fused_decode_attention=False))
-    for setting in ("inline_prefill_attention=True", "fused_decode_attention=False"):
+                                           fused_decode_attention=False,
+                                           stack_decode_weights=True))
+    for setting in ("inline_prefill_attention=True", "fused_decode_attention=False",
+                    "stack_decode_weights=True"):
         assert sum(f"{setting} does not apply to Kimi Linear" in m for m in changed) == 1
     assert not any("does not apply" in m for m in warnings(CONFIG))
 

@@ -543,15 +543,24 @@ def test_decode_weights_per_layer_or_stacked_match_reference(model, runner, stac
         this.guard.disarm()
 
 
-def test_stacking_rule_follows_the_layer_weight_size():
+@pytest.mark.parametrize("setting", ["stack_decode_weights", "inline_prefill_attention"])
+def test_auto_settings_follow_platform_and_layer_weight_size(setting):
+    """Stacked decode weights and inline prefill attention are on by default for small models
+    on one GPU only; an explicit value wins."""
     small = [{"w": np.zeros((4, 4), np.float32)}] * 3
     large = [{"w": np.broadcast_to(np.float32(0), (2**28 + 1,))}] * 2  # just over 2 GiB
-    rule = model_runner.stacks_decode_weights
+    rule = {"stack_decode_weights": model_runner.stacks_decode_weights,
+            "inline_prefill_attention": model_runner.inlines_prefill_attention}[setting]
     assert rule(EngineConfig(), small, "gpu")
     assert not rule(EngineConfig(), large, "gpu")
     assert not rule(EngineConfig(), small, "cpu")
     assert not rule(EngineConfig(tensor_parallel_size=2), small, "gpu")
-    assert rule(EngineConfig(stack_decode_weights=True), large, "cpu")
-    assert not rule(EngineConfig(stack_decode_weights=False), small, "gpu")
+    assert rule(EngineConfig(**{setting: True}), large, "cpu")
+    assert not rule(EngineConfig(**{setting: False}), small, "gpu")
+
+
+def test_default_runner_on_the_cpu_is_segmented_with_per_layer_weights(runner):
+    assert not runner.inline_prefill and runner.stacked_layers is None
+    assert len(runner.encoder_plan.calls) == 2 * CONFIG.num_hidden_layers + 1
     with pytest.raises(ValueError, match="stack_decode_weights"):
         EngineConfig(stack_decode_weights=True, tensor_parallel_size=2)

@@ -52,7 +52,10 @@ class EngineConfig:
     # One executable per prefill token bucket with attention inside, instead of segments with
     # attention at breaks: 2 host calls per prefill step instead of 2 x layers + 1, for models
     # whose prefill is dispatch-bound; the whole forward compiles per bucket (Llama-family models).
-    inline_prefill_attention: bool = False
+    # None = auto: on a GPU for models whose layer weights take at most 2 GiB, without tensor
+    # parallelism (SmolLM2's 512-token prefill ran 3x faster inline on an H200); off elsewhere,
+    # where a cold start compiling the whole forward per bucket is the longer one.
+    inline_prefill_attention: bool | None = None
     # Decode attention on a GPU as one Pallas kernel per layer that also writes the step's K/V
     # (``kernels/paged_decode.py``); off: two scatters and JAX's paged-attention op
     # (Llama-family models).
@@ -60,9 +63,9 @@ class EngineConfig:
     # Hand the decode step its layer weights as one stacked array per weight ([layers, ...], a
     # copy made at start-up) instead of one argument per layer's weight: fewer executable
     # arguments, less host time per step, for one more copy of the layer weights in device
-    # memory. None = auto: on a GPU for models whose layer weights take at most 2 GiB (small
-    # models, whose decode step is host-bound); off on the CPU, whose XLA backend copies the
-    # slices, and under tensor parallelism (Llama-family models).
+    # memory. None = auto, as for inline_prefill_attention: on a GPU for models whose layer
+    # weights take at most 2 GiB, without tensor parallelism (small models, whose decode step is
+    # host-bound); off on the CPU, whose XLA backend copies the slices (Llama-family models).
     stack_decode_weights: bool | None = None
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False

@@ -225,7 +225,8 @@ class KimiRunner:
         self.model_config = cfg = model.config
         self.page_size = page_size
         self.num_state_slots = num_state_slots
-        warn_inapplicable(config, ("inline_prefill_attention", "fused_decode_attention"),
+        warn_inapplicable(config, ("inline_prefill_attention", "fused_decode_attention",
+                                   "stack_decode_weights"),
                           "Kimi Linear (MLA attention, its own routes)", logger)
         self.pages_per_request = math.ceil(config.max_model_len / page_size)
         self.scale = float(model.attention_scale)

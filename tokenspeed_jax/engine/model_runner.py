@@ -10,9 +10,10 @@ Routes, chosen per step from static configuration and the step's sizes:
   array, a row per sequence), and reads a row's input token from the previous
   step's board when ``StepRequest.token_row`` asks: so ``launch`` can leave a decode step
   running, and the engine can launch the next one before the tokens reach the host.
-  With ``stack_decode_weights`` (auto for small models on a GPU) the executable takes each layer weight
-  stacked over the layers, a start-up copy, so its argument count does not grow with depth:
-  on a GPU each argument costs host time at every call.
+  With ``stack_decode_weights`` (auto for small models on a GPU) the executable takes each
+  layer weight stacked over the layers, a start-up copy, so its argument count does not grow
+  with depth: on a GPU each argument costs host time at every call. The inline prefill encoder
+  keeps one argument per layer weight: stacked, its larger products ran 5-8% slower.
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (on a
   GPU the fused kernel that also writes the step's K/V, or with ``fused_decode_attention`` off
   the Pallas op), so its cost follows the live context, not ``max_model_len``.
@@ -28,15 +29,15 @@ Routes, chosen per step from static configuration and the step's sizes:
   kernel on a GPU, per KV-head shard under tensor parallelism, chosen once by
   ``choose_prefill_kernel``). The attention metadata holds
   ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
-  count, do not depend on how much context is cached. With ``inline_prefill_attention`` the
-  encoder is instead one executable per token bucket, attention inside (as decode has it): two
-  host calls per prefill step instead of 2L+1, for models whose prefill is dispatch-bound, at
-  the price of compiling the whole forward per bucket. Then the *narrowing* break (one per token
-  bucket) gathers each sampled request's last hidden row into a block of ``narrow_rows`` rows,
-  and a *decoder* plan per row bucket runs the head and the in-step sampler on its first rows.
-  Steps with more tokens than the largest bucket are cut into chunks (chunked prefill) or, with
-  chunking off, run eagerly; more requests than the largest request bucket are split into
-  groups.
+  count, do not depend on how much context is cached. With ``inline_prefill_attention`` (auto
+  for small models on a GPU) the encoder is instead one executable per token bucket, attention
+  inside (as decode has it): two host calls per prefill step instead of 2L+1, for models whose
+  prefill is dispatch-bound, at the price of compiling the whole forward per bucket. Then the
+  *narrowing* break (one per token bucket) gathers each sampled request's last hidden row into a
+  block of ``narrow_rows`` rows, and a *decoder* plan per row bucket runs the head and the
+  in-step sampler on its first rows. Steps with more tokens than the largest bucket are cut into
+  chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the largest
+  request bucket are split into groups.
 * **Sampling in two tiers** (``sampling_plans``): heads and decode steps end with the in-step
   sampler and also return their logits; when a sampled request needs penalties, truncation or
   top log-probabilities, the runner's ``Resampler`` samples those rows again with the full
@@ -155,7 +156,7 @@ def split_requests(
 # writing each weight out whole: a one-request decode step runs on two rows instead (the
 # SmolLM2 shape's step took 3.27 ms on one row, 2.76 ms on two, on an H200).
 MIN_DECODE_ROWS = 2
-STACK_AUTO_MAX_BYTES = 2 * 2**30  # stack_decode_weights=None: stack layer weights up to this
+SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
 
 
 def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
@@ -212,14 +213,28 @@ def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
     return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(list(layer_states)))
 
 
+def small_model_on_one_gpu(config: EngineConfig, layer_states: Sequence[Any],
+                           platform: str) -> bool:
+    """The auto rule of ``stack_decode_weights`` and ``inline_prefill_attention``: a GPU, no
+    tensor parallelism, layer weights of at most ``SMALL_MODEL_MAX_BYTES``."""
+    return (platform == "gpu" and config.tensor_parallel_size == 1
+            and layer_weight_bytes(layer_states) <= SMALL_MODEL_MAX_BYTES)
+
+
 def stacks_decode_weights(config: EngineConfig, layer_states: Sequence[Any],
                           platform: str) -> bool:
-    """Whether the decode step takes stacked layer weights on ``platform`` (``EngineConfig``'s
-    rule)."""
+    """Whether the decode step takes stacked layer weights on ``platform``."""
     if config.stack_decode_weights is not None:
         return config.stack_decode_weights
-    return (platform == "gpu" and config.tensor_parallel_size == 1
-            and layer_weight_bytes(layer_states) <= STACK_AUTO_MAX_BYTES)
+    return small_model_on_one_gpu(config, layer_states, platform)
+
+
+def inlines_prefill_attention(config: EngineConfig, layer_states: Sequence[Any],
+                              platform: str) -> bool:
+    """Whether each prefill encoder is one executable with attention inside, on ``platform``."""
+    if config.inline_prefill_attention is not None:
+        return config.inline_prefill_attention
+    return small_model_on_one_gpu(config, layer_states, platform)
 
 
 def stack_layer_states(layer_states: Sequence[Any]) -> Any:
@@ -263,8 +278,10 @@ class ModelRunner:
                 raise ValueError(f"layer {index} differs in structure from layer 0")
         self._model_classes = {type(m) for _, m in nnx.iter_modules(model)}
         self.layer_states = [nnx.state(layer) for layer in layers]
-        stacked = stacks_decode_weights(config, self.layer_states, jax.default_backend())
+        platform = jax.default_backend()
+        stacked = stacks_decode_weights(config, self.layer_states, platform)
         self.stacked_layers = stack_layer_states(self.layer_states) if stacked else None
+        self.inline_prefill = inlines_prefill_attention(config, self.layer_states, platform)
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
@@ -417,7 +434,7 @@ class ModelRunner:
     def _build_plans(self) -> None:
         k_names, v_names = self._cache_names()
         caches = (*k_names, *v_names)
-        if self.config.inline_prefill_attention:
+        if self.inline_prefill:
             encoder = Break("attention", self._inline_encoder, ("token_ids", "positions", *caches),
                             ("hidden", *caches), donate=caches)
             calls = [Call(encoder, (self.outer_state, tuple(self.layer_states)))]
