@@ -20,8 +20,8 @@ def test_leaves_arrive_bit_exact_on_the_given_sharding():
         assert got.sharding.device_set == ref.sharding.device_set
 
 
-def test_replicated_sharding_over_several_devices():
-    devices = np.array(jax.devices())
+def test_replicated_sharding_puts_a_copy_on_every_device():
+    devices = np.array(jax.devices())  # one on this suite's CPU, several under tensor parallelism
     sharding = NamedSharding(jax.sharding.Mesh(devices, ("tp",)), PartitionSpec())
     host = np.arange(10, dtype=np.int32)
     (placed,) = put_host_leaves([host], sharding)
