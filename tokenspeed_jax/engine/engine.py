@@ -485,14 +485,7 @@ class EngineBundle:
 def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     """Load the model (unless ``loaded`` is given), size the KV cache, compile every executable,
     return a ready engine."""
-    import jax
-    from flax import nnx
-
-    from tokenspeed_jax.engine.model_runner import (
-        ModelRunner,
-        layer_weight_bytes,
-        stacks_decode_weights,
-    )
+    from tokenspeed_jax.engine.model_runner import ModelRunner, stacked_copy_bytes
     from tokenspeed_jax.models.loader import load_model
 
     start = time.perf_counter()
@@ -524,9 +517,7 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         reserved = -(-state_slots.num_slots * state_slot_bytes(loaded.config, dtype)
                      // parallel.mesh_size(mesh))
     if state_slots is None:
-        layer_states = [nnx.state(layer) for layer in loaded.model.layers]
-        if stacks_decode_weights(config, layer_states, jax.default_backend()):
-            reserved += layer_weight_bytes(layer_states)  # the stacked copy
+        reserved += stacked_copy_bytes(config, loaded.model)
     num_pages = num_kv_pages(config, page_bytes, reserved)
     if state_slots is None:
         runner = ModelRunner(loaded.model, config, num_pages, config.page_size)

@@ -237,6 +237,15 @@ def inlines_prefill_attention(config: EngineConfig, layer_states: Sequence[Any],
     return small_model_on_one_gpu(config, layer_states, platform)
 
 
+def stacked_copy_bytes(config: EngineConfig, model: Any) -> int:
+    """Device bytes a ``ModelRunner`` of ``model`` adds for its stacked decode weights (0 when
+    it keeps them per layer): what start-up reserves before sizing the KV cache."""
+    layer_states = [nnx.state(layer) for layer in model.layers]
+    if stacks_decode_weights(config, layer_states, jax.default_backend()):
+        return layer_weight_bytes(layer_states)
+    return 0
+
+
 def stack_layer_states(layer_states: Sequence[Any]) -> Any:
     """One state whose every leaf stacks that leaf of each layer along a new leading axis."""
     with startup():
