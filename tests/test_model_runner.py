@@ -199,6 +199,46 @@ def test_padded_batch_rows_do_not_change_real_rows(model, runner):
     np.testing.assert_allclose(alone.logprobs[0], pair.logprobs[0], rtol=1e-5, atol=1e-6)
 
 
+def test_decode_metadata_pads_every_step_from_scratch(runner):
+    """A one-request step after a two-request step in the same bucket: its padding row holds
+    the padding values, not the earlier step's request, and its real row holds its own token,
+    position, slot, page table and sampling settings (written out by hand here)."""
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=2**40 + 3)
+    pair = [StepRequest("a", np.array([11], np.int32), 9, np.array([4, 6, 8], np.int32), True,
+                        seeded, [1, 2], token_row=1),
+            StepRequest("b", np.array([12], np.int32), 2, np.array([5], np.int32), True,
+                        GREEDY, [3])]
+    rows = runner.buckets.decode_rows(2)
+    assert rows == runner.buckets.decode_rows(1) == 2
+    runner.decode_inputs(pair)
+    _, meta = runner.decode_inputs(pair[:1])
+    words = runner.pages_per_request
+    page_tables = np.zeros((rows, words), np.int32)
+    page_tables[0, :3] = [4, 6, 8]
+    expected = {
+        "token_ids": np.array([11, 0], np.int32),
+        "token_rows": np.array([1, -1], np.int32),
+        "positions": np.array([9, -1], np.int32),
+        "slot_mapping": np.array([8 * PAGE + 1, -1], np.int32),  # position 9: page 2, row 1
+        "page_tables": page_tables,
+        "sampling.temperature": np.array([0.7, 0.0], np.float32),
+        "sampling.top_p": np.array([0.9, 1.0], np.float32),
+        "sampling.top_k": np.array([5, 0], np.int32),
+        "sampling.min_p": np.zeros(2, np.float32),
+        "sampling.presence_penalty": np.zeros(2, np.float32),
+        "sampling.frequency_penalty": np.zeros(2, np.float32),
+        "sampling.repetition_penalty": np.ones(2, np.float32),
+        "sampling.key": np.array([[256, 3], [0, 0]], np.uint32),
+        "sampling.step": np.array([2, 0], np.int32),
+    }
+    packed = meta["decode"]  # read with numpy: unpacking with jax would compile while serving
+    assert [field.name for field in packed.layout.fields] == list(expected)
+    for field in packed.layout.fields:
+        value = packed.buffer[field.offset:field.offset + field.size].view(field.dtype)
+        np.testing.assert_array_equal(value.reshape(field.shape), expected[field.name],
+                                      err_msg=field.name)
+
+
 def test_mixed_workload_never_compiles_at_runtime(model, runner):
     pages = Pages()
     a, b, c, d = prompts(31, 6, 40, 3, 2)

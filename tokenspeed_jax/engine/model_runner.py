@@ -70,7 +70,7 @@ from flax import nnx
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
-from tokenspeed_jax.engine.packed import Packed
+from tokenspeed_jax.engine.packed import Packed, PackedBuilder
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
@@ -78,6 +78,7 @@ from tokenspeed_jax.engine.sampling_plans import (
     sampling_arrays,
     sampling_fields,
     unpack_sampling,
+    write_sampling_fields,
 )
 from tokenspeed_jax.engine.token_board import (
     board_rows,
@@ -86,7 +87,6 @@ from tokenspeed_jax.engine.token_board import (
     new_board,
     pending_decode,
     read_tokens,
-    token_rows,
     write_board,
 )
 from tokenspeed_jax.graph import (
@@ -315,6 +315,7 @@ class ModelRunner:
         self._narrowers: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
         self._decode_steps: dict[int, CompiledPlan] = {}
+        self._decode_builders: dict[int, PackedBuilder] = {}
         self.resampler = Resampler(self.model_config.vocab_size)
         self.compiled = False
         self.counters = dict.fromkeys((
@@ -539,24 +540,31 @@ class ModelRunner:
         return table
 
     def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
-        """The packed metadata of one decode group padded to ``rows``: one transfer per step."""
-        count = len(requests)
-        token_ids = np.zeros(rows, np.int32)
-        positions = np.full(rows, -1, np.int32)
-        slots = np.full(rows, -1, np.int32)
-        page_tables = np.zeros((rows, self.pages_per_request), np.int32)
-        for row, request in enumerate(requests):
-            table = self._page_table(request)
-            page_tables[row, :len(table)] = table
-        if count:
-            token_ids[:count] = [r.token_ids[0] for r in requests]
-            real = np.array([r.start_pos for r in requests], np.int32)
-            positions[:count] = real
-            slots[:count] = self._slots_of_rows(page_tables[:count], real)
-        return Packed.of({"token_ids": token_ids, "token_rows": token_rows(requests, rows),
-                          "positions": positions, "slot_mapping": slots,
-                          "page_tables": page_tables,
-                          **sampling_fields(sampling_arrays(requests, rows))})
+        """The packed metadata of one decode group padded to ``rows``: one transfer per step,
+        written into the padding defaults of ``rows``'s builder."""
+        builder = self._decode_builders.get(rows)
+        if builder is None:
+            builder = self._decode_builders[rows] = PackedBuilder(Packed.of({
+                "token_ids": np.zeros(rows, np.int32),
+                "token_rows": np.full(rows, -1, np.int32),
+                "positions": np.full(rows, -1, np.int32),
+                "slot_mapping": np.full(rows, -1, np.int32),
+                "page_tables": np.zeros((rows, self.pages_per_request), np.int32),
+                **sampling_fields(sampling_arrays([], rows))}))
+        fields = builder.reset()
+        if requests:
+            count = len(requests)
+            page_tables = fields["page_tables"]
+            for row, request in enumerate(requests):
+                table = self._page_table(request)
+                page_tables[row, :len(table)] = table
+            positions = np.array([r.start_pos for r in requests], np.int32)
+            fields["token_ids"][:count] = [r.token_ids[0] for r in requests]
+            fields["token_rows"][:count] = [r.token_row for r in requests]
+            fields["positions"][:count] = positions
+            fields["slot_mapping"][:count] = self._slots_of_rows(page_tables[:count], positions)
+            write_sampling_fields(fields, requests)
+        return builder.take()
 
     def _slots_of_rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Row ``i``'s slot of ``positions[i]`` in page table ``tables[i]``."""

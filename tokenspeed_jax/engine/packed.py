@@ -13,6 +13,10 @@ Invariants:
 * ``Packed`` is a pytree whose only leaf is the buffer; its ``Layout`` (names, dtypes, shapes,
   offsets) is static aux data, so it is part of the compiled program's signature and of the
   executable cache key, and a layout change can never reuse a stale executable.
+* ``PackedBuilder`` makes buffers of one layout by writing into views of a staging buffer that
+  ``reset`` restores to a default ``Packed``: every buffer starts from the defaults, never from
+  an earlier one, and ``take`` hands out a copy, so a buffer in flight never changes. A builder
+  is used by one thread at a time.
 """
 
 from __future__ import annotations
@@ -91,6 +95,32 @@ class Packed:
     @classmethod
     def tree_unflatten(cls, layout: Layout, children: tuple[Any]) -> Packed:
         return cls(children[0], layout)
+
+
+class PackedBuilder:
+    """Buffers of ``defaults``'s layout, built field by field without allocating per field.
+
+    ``reset()`` restores the defaults and returns writable numpy views of every field by name;
+    write the entries that differ, then ``take()`` the result.
+    """
+
+    def __init__(self, defaults: Packed) -> None:
+        self.layout = defaults.layout
+        self._defaults = np.asarray(defaults.buffer)
+        self._staging = self._defaults.copy()
+        self._views = {
+            field.name: self._staging[field.offset:field.offset + field.size]
+            .view(field.dtype).reshape(field.shape)
+            for field in self.layout.fields}
+
+    def reset(self) -> dict[str, np.ndarray]:
+        """The staging buffer back at the defaults; its fields as writable views."""
+        np.copyto(self._staging, self._defaults)
+        return self._views
+
+    def take(self) -> Packed:
+        """A ``Packed`` holding a copy of the staging buffer as written since ``reset``."""
+        return Packed(self._staging.copy(), self.layout)
 
 
 @functools.lru_cache(maxsize=256)

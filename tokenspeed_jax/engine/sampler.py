@@ -43,6 +43,34 @@ DEFAULT_TOP_K_CAP = 1024  # beyond any common top_k; a nucleus this wide holds n
 KEY_IMPL = "threefry2x32"  # JAX's default PRNG; its key data is two uint32 words
 
 
+def settings_columns(rows: Sequence[tuple[SamplingParams, int]]) -> dict[str, list]:
+    """The settings of ``rows`` of (params, output token index), checked, as one list per
+    ``SamplingArrays`` field (``key``: [high, low] words of the seed) for its first rows."""
+    for row, (params, index) in enumerate(rows):
+        if params.seed is None and not params.greedy:
+            raise ValueError(
+                f"row {row} samples with seed=None; call params.with_random_seed() once per "
+                "request"
+            )
+        if index < 0:
+            raise ValueError(f"row {row} has output token index {index} < 0")
+    if not rows:
+        return {}
+    params = [p for p, _ in rows]
+    seeds = [(p.seed or 0) % 2**64 for p in params]
+    return {
+        "temperature": [p.temperature for p in params],
+        "top_p": [p.top_p for p in params],
+        "top_k": [p.top_k for p in params],
+        "min_p": [p.min_p for p in params],
+        "presence_penalty": [p.presence_penalty for p in params],
+        "frequency_penalty": [p.frequency_penalty for p in params],
+        "repetition_penalty": [p.repetition_penalty for p in params],
+        "key": [(seed >> 32, seed & 0xFFFFFFFF) for seed in seeds],
+        "step": [index for _, index in rows],
+    }
+
+
 class SamplingArrays(NamedTuple):
     """Per-row sampling settings for a batch of B rows (a pytree of arrays)."""
 
@@ -68,31 +96,16 @@ class SamplingArrays(NamedTuple):
         size = len(rows) if pad_to is None else pad_to
         if size < len(rows):
             raise ValueError(f"pad_to={pad_to} is smaller than the {len(rows)} rows given")
-        for row, (params, index) in enumerate(rows):
-            if params.seed is None and not params.greedy:
-                raise ValueError(
-                    f"row {row} samples with seed=None; call params.with_random_seed() once per "
-                    "request"
-                )
-            if index < 0:
-                raise ValueError(f"row {row} has output token index {index} < 0")
-        # One row of settings per request, columns in field order; padding rows are greedy.
-        floats = np.zeros((size, 6), np.float32)
-        floats[:, (1, 5)] = 1.0  # top_p and repetition_penalty off
-        key = np.zeros((size, 2), np.uint32)
-        top_k = np.zeros(size, np.int32)
-        step = np.zeros(size, np.int32)
-        if rows:
-            count = len(rows)
-            floats[:count] = [
-                (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                 p.repetition_penalty) for p, _ in rows]
-            seeds = [(p.seed or 0) % 2**64 for p, _ in rows]
-            key[:count] = [(seed >> 32, seed & 0xFFFFFFFF) for seed in seeds]
-            top_k[:count] = [p.top_k for p, _ in rows]
-            step[:count] = [index for _, index in rows]
-        temperature, top_p, min_p, presence, frequency, repetition = floats.T.copy()
-        return cls(temperature, top_p, top_k, min_p, presence, frequency, repetition, key, step)
+        # Padding rows are greedy, with top_p and repetition_penalty off.
+        floats = np.zeros((6, size), np.float32)
+        floats[(1, 5), :] = 1.0
+        arrays = dict(zip(("temperature", "top_p", "min_p", "presence_penalty",
+                           "frequency_penalty", "repetition_penalty"), floats))
+        arrays.update(top_k=np.zeros(size, np.int32), key=np.zeros((size, 2), np.uint32),
+                      step=np.zeros(size, np.int32))
+        for name, column in settings_columns(rows).items():
+            arrays[name][:len(rows)] = column
+        return cls(**arrays)
 
     def uses_top_k_or_top_p(self) -> bool:
         """Host-side: whether any row truncates by top-k or top-p (needs ``top_k_cap != 0``)."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from tokenspeed_jax.engine.batch import StepOutput, StepRequest, split_decode_rows
 from tokenspeed_jax.engine.packed import Packed
-from tokenspeed_jax.engine.sampler import SamplingArrays, sample, top_logprobs
+from tokenspeed_jax.engine.sampler import SamplingArrays, sample, settings_columns, top_logprobs
 from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, PlanCompiler, abstract, run_eager
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -51,6 +51,15 @@ def sampling_arrays(requests: Sequence[StepRequest], rows: int) -> SamplingArray
     """The sampling settings of ``requests`` as arrays padded (greedy) to ``rows``."""
     return SamplingArrays.from_params(
         [(r.params, len(r.output_token_ids)) for r in requests], pad_to=rows)
+
+
+def write_sampling_fields(fields: Mapping[str, np.ndarray],
+                          requests: Sequence[StepRequest]) -> None:
+    """Writes the settings of ``requests`` into the first rows of ``sampling_fields``'s fields
+    (``fields``: the writable views of a ``PackedBuilder``, padding rows left as they are)."""
+    columns = settings_columns([(r.params, len(r.output_token_ids)) for r in requests])
+    for name, column in columns.items():
+        fields[f"sampling.{name}"][:len(requests)] = column
 
 
 def sampling_fields(sampling: SamplingArrays) -> dict[str, np.ndarray]:
