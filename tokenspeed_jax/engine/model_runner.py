@@ -87,6 +87,7 @@ from tokenspeed_jax.engine.token_board import (
     new_board,
     pending_decode,
     read_tokens,
+    token_rows,
     write_board,
 )
 from tokenspeed_jax.graph import (
@@ -542,15 +543,7 @@ class ModelRunner:
     def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
         """The packed metadata of one decode group padded to ``rows``: one transfer per step,
         written into the padding defaults of ``rows``'s builder."""
-        builder = self._decode_builders.get(rows)
-        if builder is None:
-            builder = self._decode_builders[rows] = PackedBuilder(Packed.of({
-                "token_ids": np.zeros(rows, np.int32),
-                "token_rows": np.full(rows, -1, np.int32),
-                "positions": np.full(rows, -1, np.int32),
-                "slot_mapping": np.full(rows, -1, np.int32),
-                "page_tables": np.zeros((rows, self.pages_per_request), np.int32),
-                **sampling_fields(sampling_arrays([], rows))}))
+        builder = self._decode_builders.get(rows) or self._new_decode_builder(rows)
         fields = builder.reset()
         if requests:
             count = len(requests)
@@ -565,6 +558,17 @@ class ModelRunner:
             fields["slot_mapping"][:count] = self._slots_of_rows(page_tables[:count], positions)
             write_sampling_fields(fields, requests)
         return builder.take()
+
+    def _new_decode_builder(self, rows: int) -> PackedBuilder:
+        """The builder of ``rows``-row decode metadata, every row a padding row by default."""
+        builder = self._decode_builders[rows] = PackedBuilder(Packed.of({
+            "token_ids": np.zeros(rows, np.int32),
+            "token_rows": token_rows([], rows),
+            "positions": np.full(rows, -1, np.int32),
+            "slot_mapping": np.full(rows, -1, np.int32),
+            "page_tables": np.zeros((rows, self.pages_per_request), np.int32),
+            **sampling_fields(sampling_arrays([], rows))}))
+        return builder
 
     def _slots_of_rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Row ``i``'s slot of ``positions[i]`` in page table ``tables[i]``."""
