@@ -9,7 +9,9 @@ a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm. Each
 Timings: prefill at T = 2048, 8192, 32768 (one sequence) and 16 x 1024 packed; decode at batch
 1, 64, 256. Our decode runs many steps inside one compiled program (as in the engine), so it pays
 no per-call dispatch; fla's numbers are `triton.testing.do_bench` medians of its Python call.
-Variants of our prefill (other ChunkConfig settings) are timed at T=8192 and T=32768 right after
+Timings use fla's benchmark gates (-softplus(x - 1), x normal); the checks and one timed variant
+add 2% of gates at -100, where every 16-row block takes the exact in-block pairs. Variants of our
+prefill (that one, and other ChunkConfig settings) are timed at T=8192 and T=32768 right after
 the default, and the time of each stage alone (inputs to chunks, per-chunk kernel, state scan)
 at T=8192; 32 x 1024 packed beside T=32768 shows what the serial state scan costs.
 Items run most important first; once --budget-s has passed, the rest are logged as skipped, so a
@@ -36,10 +38,12 @@ H, K, V = 32, 128, 128
 PREFILL_CASES = {"T=2048": [2048], "T=8192": [8192], "T=32768": [32768], "16x1024": [1024] * 16}
 SCAN_CASE = {"32x1024": [1024] * 32}  # T=32768's tokens with 32 scans in parallel
 DECODE_BATCHES = (1, 64, 256)
-VARIANTS = {  # our prefill under other settings, timed at T=8192 and T=32768
-    "pallas-diagonal_heads1": kda.ChunkConfig(diagonal_heads=1, diagonal_num_warps=1),
-    "pallas-scores_warps4": kda.ChunkConfig(scores_num_warps=4),
-    "pallas-solve_warps8": kda.ChunkConfig(solve_num_warps=8),
+VARIANTS = {  # our prefill under other settings or inputs, timed at T=8192 and T=32768
+    "pallas-strong_gates": {"strong_gates": True},
+    "pallas-diagonal_rows1": {"config": kda.ChunkConfig(diagonal_rows=1)},
+    "pallas-diagonal_rows16": {"config": kda.ChunkConfig(diagonal_rows=16)},
+    "pallas-inverses_tf32x3_fp32": {
+        "config": kda.ChunkConfig(inverse_dots="tf32x3", block_inverse_dots="fp32")},
 }
 VARIANT_CASES = ("T=8192", "T=32768")
 DECODE_VARIANTS = {"pallas-decode_block_v32": kda_decode.RecurrentConfig(block_v=32)}
@@ -59,13 +63,16 @@ class Log:
             f.write(line + "\n")
 
 
-def random_inputs(key, num_tokens, heads, value_heads, dtype):
+def random_inputs(key, num_tokens, heads, value_heads, dtype, strong_gates=True):
+    """q, k (L2-normalised), v, g, beta. The gates are fla's benchmark's, -softplus(x - 1) for
+    normal x, and with ``strong_gates`` 2% of them -100 (which must not overflow)."""
     kq, kk, kv, kg, kb = jax.random.split(key, 5)
     q = jax.random.normal(kq, (num_tokens, heads, K), jnp.float32)
     k = kda_ref.l2_normalize(jax.random.normal(kk, (num_tokens, heads, K), jnp.float32))
     v = jax.random.normal(kv, (num_tokens, value_heads, V), jnp.float32)
     g = -jax.nn.softplus(jax.random.normal(kg, (num_tokens, value_heads, K)) - 1.0)
-    g = jnp.where(jax.random.uniform(kg, g.shape) < 0.02, -100.0, g)  # strong decay, must not overflow
+    if strong_gates:
+        g = jnp.where(jax.random.uniform(kg, g.shape) < 0.02, -100.0, g)
     beta = jax.nn.sigmoid(jax.random.normal(kb, (num_tokens, value_heads)))
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype)
 
@@ -83,7 +90,7 @@ CHECK_HEADS, CHECK_VALUE_HEADS = 4, 8
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}
 
 
-def check_prefill(kernel: str, dtype) -> dict:
+def check_prefill(kernel: str, dtype, config: kda.ChunkConfig | None = None) -> dict:
     """Ragged GVA prefill from a pool, with a padded request and (chunk kernel) a checkpoint."""
     slots, real = CHECK_SLOTS, CHECK_SLOTS >= 0
     cu = np.concatenate([[0], np.cumsum(CHECK_LENGTHS)]).astype(np.int32)
@@ -102,7 +109,7 @@ def check_prefill(kernel: str, dtype) -> dict:
     if kernel == "chunk":
         o, new_pool = kda.chunk_kda_prefill(
             *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu), jnp.asarray(offsets),
-            jnp.asarray(ckpt_slots))
+            jnp.asarray(ckpt_slots), config=config or kda.ChunkConfig())
     else:
         o, new_pool = kda.fused_recurrent_kda_pool(
             *inputs, jnp.array(pool), jnp.asarray(slots), jnp.asarray(cu))
@@ -184,10 +191,11 @@ def guarded(log: Log, measure, **labels):
         log(**labels, error=traceback.format_exc()[-2000:])
 
 
-def prefill_ours(lengths, config: kda.ChunkConfig | None = None, calls=5):
+def prefill_ours(lengths, config: kda.ChunkConfig | None = None, strong_gates=False, calls=5):
+    """ms per call, on fla's benchmark gates unless ``strong_gates``."""
     config = config or kda.ChunkConfig()
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    inputs = random_inputs(jax.random.key(6), int(cu[-1]), H, H, jnp.bfloat16)
+    inputs = random_inputs(jax.random.key(6), int(cu[-1]), H, H, jnp.bfloat16, strong_gates)
     slots = jnp.arange(len(lengths), dtype=jnp.int32)
     state = {"pool": jnp.zeros((len(lengths), H, K, V), jnp.float32)}
 
@@ -205,7 +213,8 @@ def prefill_stages(lengths, calls=10):
     config = kda.ChunkConfig()
     num_tokens, num_requests = sum(lengths), len(lengths)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
-    q, k, v, g, beta = random_inputs(jax.random.key(6), num_tokens, H, H, jnp.bfloat16)
+    q, k, v, g, beta = random_inputs(jax.random.key(6), num_tokens, H, H, jnp.bfloat16,
+                                     strong_gates=False)
     num_chunks = -(-num_tokens // kda_ref.CHUNK_SIZE) + num_requests
 
     @jax.jit
@@ -239,7 +248,8 @@ def prefill_stages(lengths, calls=10):
 
 def decode_ours(batch, config: kda_decode.RecurrentConfig | None = None, steps=100):
     config = config or kda_decode.RecurrentConfig()
-    q, k, v, g, beta = random_inputs(jax.random.key(7), batch, H, H, jnp.bfloat16)
+    q, k, v, g, beta = random_inputs(jax.random.key(7), batch, H, H, jnp.bfloat16,
+                                     strong_gates=False)
     slots = jnp.arange(batch, dtype=jnp.int32)
 
     @jax.jit
@@ -303,8 +313,12 @@ def plan(with_fla: bool):
     so the fp32 checks come after the bf16 timings."""
     items = checks(["chunk"], [jnp.bfloat16])
     items += timings("pallas", prefill_ours, decode_ours, PREFILL_CASES, ())
-    for impl, config in VARIANTS.items():
-        items += timings(impl, functools.partial(prefill_ours, config=config), None,
+    for impl, settings in VARIANTS.items():
+        if "config" in settings:
+            items.append(({"check": f"prefill_chunk {impl}", "dtype": "bfloat16"},
+                          functools.partial(check_prefill, "chunk", jnp.bfloat16,
+                                            settings["config"])))
+        items += timings(impl, functools.partial(prefill_ours, **settings), None,
                          VARIANT_CASES, ())
     if with_fla:
         items += timings("fla", prefill_fla, decode_fla, PREFILL_CASES, DECODE_BATCHES)

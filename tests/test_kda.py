@@ -24,9 +24,17 @@ def random_inputs(rng, num_tokens, *, strong_decay=True):
     v = rng.standard_normal((num_tokens, HV, V)).astype(np.float32)
     g = -np.log1p(np.exp(rng.standard_normal((num_tokens, HV, K)) - 1.0)).astype(np.float32)
     if strong_decay:
-        g[rng.uniform(size=g.shape) < 0.05] = -100.0
+        g[strong_decay_mask(rng, g.shape)] = -100.0
     beta = rng.uniform(0.05, 1.0, (num_tokens, HV)).astype(np.float32)
     return tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
+
+
+def strong_decay_mask(rng, shape):
+    """Where g is -100: half the channels of about 4% of the (token, head) rows, so about half
+    the 16-row blocks of a head hold one (their pairs are computed one by one) and half do not
+    (their pairs go through the block's first row)."""
+    rows = rng.uniform(size=(*shape[:-1], 1)) < 0.04
+    return rows & (rng.uniform(size=shape) < 0.5)
 
 
 def reference(inputs, cu, initial_state, **kw):
@@ -243,13 +251,16 @@ def test_per_chunk_kernels_skip_chunks_past_the_live_ones():
         assert not np.allclose(first[:, 1], both[:, 1])
 
 
-@pytest.mark.parametrize(("query_heads", "value_heads", "diagonal_heads"),
-                         [(1, 2, 1), (1, 2, 2), (2, 4, 4), (2, 2, 2), (4, 4, 2), (1, 3, 4)])
+@pytest.mark.parametrize(("query_heads", "value_heads", "diagonal_heads", "diagonal_rows"),
+                         [(1, 2, 1, 4), (1, 2, 2, 1), (2, 4, 4, 16), (2, 2, 2, 4), (4, 4, 2, 2),
+                          (1, 3, 4, 4)])
 def test_per_chunk_kernels_match_reference_for_head_blocks(query_heads, value_heads,
-                                                           diagonal_heads):
+                                                           diagonal_heads, diagonal_rows):
     """The in-block pairs take up to `diagonal_heads` value heads per program: fewer than, as
     many as, or more than the value heads sharing a query head, blocks without GVA, and a head
-    count the setting does not divide (three heads, at most four per program: one program)."""
+    count the setting does not divide (three heads, at most four per program: one program);
+    and 1 to 16 rows per program. About half the blocks of each head are near, so a program's
+    heads mix near blocks and others."""
     rng = np.random.default_rng(8)
     wide = 32
     cu = np.array([0, 70, 200], np.int32)
@@ -258,14 +269,14 @@ def test_per_chunk_kernels_match_reference_for_head_blocks(query_heads, value_he
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((200, value_heads, wide)).astype(np.float32)
     g = -rng.uniform(0.0, 1.0, (200, value_heads, wide)).astype(np.float32)
-    g[rng.uniform(size=g.shape) < 0.05] = -100.0
+    g[strong_decay_mask(rng, g.shape)] = -100.0
     beta = rng.uniform(0.05, 1.0, (200, value_heads)).astype(np.float32)
     inputs = tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
     pool = jnp.asarray(rng.standard_normal((2, value_heads, wide, wide)).astype(np.float32))
     o_ref, s_ref = reference(inputs, cu, pool)
     o, new_pool = kda.chunk_kda_prefill(
         *inputs, pool, jnp.array([0, 1], jnp.int32), jnp.asarray(cu), interpret=True,
-        config=kda.ChunkConfig(diagonal_heads=diagonal_heads))
+        config=kda.ChunkConfig(diagonal_heads=diagonal_heads, diagonal_rows=diagonal_rows))
     assert rel_err(o, o_ref) < 1e-4
     np.testing.assert_allclose(new_pool, s_ref, rtol=1e-4, atol=1e-4)
 
@@ -298,9 +309,29 @@ def test_prefill_rejects_bad_shapes():
     with pytest.raises(ValueError, match="diagonal_heads"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 8], jnp.int32),
                               config=kda.ChunkConfig(diagonal_heads=0), interpret=True)
+    with pytest.raises(ValueError, match="diagonal_rows"):
+        kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 8], jnp.int32),
+                              config=kda.ChunkConfig(diagonal_rows=3), interpret=True)
+    with pytest.raises(ValueError, match="inverse dot algorithm 'tf16'"):
+        kda.ChunkConfig(inverse_dots="tf16")
     with pytest.raises(ValueError, match="multiple"):
         kda.chunk_kda(q[None].repeat(3, 2), k[None].repeat(3, 2), v[None], g[None], beta[None],
                       interpret=True)
+
+
+def test_near_blocks_by_hand():
+    """A block is near when no channel decays by 64 or more from its first row to its last (the
+    first row's own gate does not count); one flag per (chunk, block, value head)."""
+    g = np.full((2, 64, 2, 3), -0.5, np.float32)  # 7.5 over the 15 steps of each block
+    g[0, 17:32, 0, 2] = -4.3  # chunk 0, block 1, head 0, one channel: 64.5
+    g[0, 35:48, 1, 0] = -4.0  # chunk 0, block 2, head 1: 52 + 1 = 53
+    g[1, 48, :, 1] = -1000.0  # chunk 1, block 3's first row: its own gate does not count
+    g[1, 5, 1, :] = -100.0  # chunk 1, block 0, head 1
+    near = np.asarray(kda_intra.near_blocks(jnp.cumsum(jnp.asarray(g), axis=1)))
+    expected = np.ones((2, 4, 2), np.int32)
+    expected[0, 1, 0] = 0
+    expected[1, 0, 1] = 0
+    np.testing.assert_array_equal(near, expected)
 
 
 def test_interpret_none_means_interpret_on_cpu():

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_intra import intra_stage
+from tokenspeed_jax.kernels.kda_intra import INVERSE_DOTS, intra_stage
 from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
@@ -67,12 +67,21 @@ class ChunkConfig:
 
     block_v: int | None = None  # V columns of state per scan program (None: `scan_blocking`)
     diagonal_heads: int = 4  # at most this many value heads per program of the in-block pairs
+    diagonal_rows: int = 4  # chunk rows per program of the in-block pairs (divides 16)
     diagonal_num_warps: int = 2
     scores_num_warps: int = 2
     solve_num_warps: int = 4
     scan_num_warps: int = 4
     num_stages: int | None = None  # the scan's load pipeline depth (None: `scan_blocking`)
     scan_wave: int = 132  # scan programs run side by side at full depth (an H200's SMs)
+    inverse_dots: str = "bf16x3"  # the solve's 64 x 64 inverse products (`INVERSE_DOTS`)
+    block_inverse_dots: str = "bf16x3"  # the scores calls' 16 x 16 inverse products
+
+    def __post_init__(self):
+        for name in (self.inverse_dots, self.block_inverse_dots):
+            if name not in INVERSE_DOTS:
+                raise ValueError(f"unknown inverse dot algorithm {name!r}; "
+                                 f"choose from {sorted(INVERSE_DOTS)}")
 
 
 def _state_scan_kernel(

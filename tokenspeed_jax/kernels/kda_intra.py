@@ -4,26 +4,38 @@ The cumsum kernel, one program per (chunk, value head), writes gc, the in-chunk 
 gate, which the others read. For one chunk and value head, let
 kk[i, j] = sum_d k_id k_jd exp(gc_id - gc_jd) (strictly lower), A = beta kk (row-scaled), D its
 diagonal 16 x 16 blocks and E the rest. Then (I + A)^-1 = (I + M)^-1 (I + D)^-1 with
-M = (I + D)^-1 E. The diagonal kernel, one program per chunk row (and a few value heads), forms
-the row's entries of D and of the causal query-key matrix inside its 16-row block. The scores
-kernel, one call per 16-row block with one program per (chunk, value head), forms the block's
-entries left of its diagonal block, inverts that block and writes its rows of M + (I + D)^-1
-(the two never share an entry: M lies left of the diagonal blocks) and of the query-key matrix.
+M = (I + D)^-1 E. The entries of D and of the causal query-key matrix inside a 16-row block
+are formed by one of two kernels, chosen per block and value head by `near_blocks`: for a
+*near* block (no channel decays by NEAR_DECAY or more over it) the scores kernel forms them by
+dots through the block's first row; for the others the diagonal kernel, one program per few
+rows (and a few value heads), forms them pair by pair. The scores kernel, one call per 16-row
+block with one program per (chunk, value head), also forms the block's entries left of its
+diagonal block, inverts that block and writes its rows of M + (I + D)^-1 (the two never share
+an entry: M lies left of the diagonal blocks) and of the query-key matrix.
 The solve kernel, one program per (chunk, value head), finishes the inverse and writes
 w = (I + A)^-1 (beta exp(gc) k), u = (I + A)^-1 (beta v) and the decayed q and k. Nothing here
 depends on the recurrent state, so all chunks run in parallel; the state scan in `kda` consumes
 the outputs.
 
 Invariants:
-- Every exponent is <= 0, so g down to -100 (and far below) underflows to 0 and never overflows.
-  A pair (i, j) with j in an earlier 16-row block than i meets through the first row r of i's
-  block, exp(gc_i - gc_r) * exp(gc_r - gc_j): one dot per 64-key slice. A pair inside a block
-  gets its exact pairwise decay exp(gc_i - gc_j) (j <= i): the diagonal kernel walks only the
-  keys j <= i of its row's block (a loop of dynamic length, as a token-parallel kernel), one
-  [heads, K] product and two row sums per key. A 16-row program would spend the same exps on
-  the pairs j > i too, and assemble its [16, 16] block from per-key columns.
-- Programs are small on purpose: a program holds one row, one row block's products or one
-  chunk's solve, so an SM holds several and their memory waits overlap.
+- No exponent exceeds NEAR_DECAY (64: exp(64) and exp(-64) are normal fp32 numbers), so g
+  down to -100 (and far below) underflows to 0 and never overflows. A pair (i, j) with j in an
+  earlier 16-row block than i meets through the first row r of i's block,
+  exp(gc_i - gc_r) * exp(gc_r - gc_j), both exponents <= 0: one dot per 64-key slice. A pair
+  inside a near block meets through r too, the key grown by exp(gc_r - gc_j) < exp(NEAR_DECAY):
+  two [16, 64] x [64, 16] dots per key slice. A pair inside any other block gets its exact
+  pairwise decay exp(gc_i - gc_j) (j <= i): the diagonal kernel walks only the keys j <= i of
+  each of its rows' block (a loop of dynamic length), one [heads, K] product and two row sums
+  per key. A 16-row program would spend the same exps on the pairs j > i too, and assemble its
+  [16, 16] block from per-key columns.
+- Both kernels read one flag per (chunk, block, value head) from `near_blocks`, so they never
+  disagree. The diagonal kernel leaves a block's rows unwritten when the block is near for all
+  of a program's heads; the scores kernel never reads a near block's rows. Gates of fla's
+  benchmark (-softplus(x - 1)) make every block near; 2% of gates at -100 make almost none.
+- Programs are small on purpose: a program holds 4 rows (`ChunkConfig.diagonal_rows`; one row
+  took 42 us at T=8192 only to skip near blocks; 16 rows took 392 us for the exact pairs
+  against 269 at one row), one row block's products or one chunk's solve, so an SM holds
+  several and their waits overlap.
 - A row block meets only the keys before it. Each block is its own call (its offsets static:
   under a branch on the block id the compiler took 180-255 registers), so block b decays and
   multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
@@ -33,10 +45,12 @@ Invariants:
   block (no two threads store to one address, so no ordering between them is needed). Columns
   of parts after the diagonal block are never written: the solve kernel masks them out.
 - D and M are nilpotent (orders 16 and C / 16), so each inverse is a short product of
-  squarings, in dots that keep fp32 (the powers can cancel, so nothing there may round below
-  it). The scores kernel's [16, 16] dots are fp32 FMAs (`Precision.HIGHEST`): at that size they
-  beat three-pass TF32 (fewer instructions, no operand splitting); the solve kernel's [64, 64]
-  ones are three-pass TF32 (`exact`): fp32 FMAs there made the per-chunk stage twice as slow.
+  squarings. For fp32 inputs (and in the interpreter) their dots are fp32 (`HIGHEST`); for bf16
+  inputs they run the algorithm `ChunkConfig` names (`INVERSE_DOTS`), three-pass bf16 by
+  default: about 16 bits of each operand, more than one-pass TF32 (fla's choice for its
+  triangular solve) and less than fp32. The whole prefill is 6-9% faster than with three-pass
+  TF32 and fp32 FMAs, with the same errors against the fp32 reference; the inverse is rounded
+  to bf16 anyway before its products with v and k.
 - The solve kernel's inverse stays fp32; its products with v and k then take operands in the
   dot dtype (bf16 for bf16 inputs, fp32 sums), as the scan's do: u and w are stored in it
   anyway, and fp32 operands held twice the registers (218 against 188 per thread, offline).
@@ -71,6 +85,13 @@ if TYPE_CHECKING:
 SUB_BLOCK = 16  # rows sharing one decay reference point; also Triton's smallest dot tile
 LOG2_E = 1.4426950408889634
 COLUMN_SLICE = 64  # key or value columns per wide dot
+NEAR_DECAY = 64.0  # a block's in-block log decay below which its pairs go through one row
+INVERSE_DOTS = {  # ChunkConfig's names for the inverses' dot algorithms (bf16 inputs on a GPU)
+    "fp32": lax.Precision.HIGHEST,  # fp32 FMAs
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
+}
 
 
 def decay(log_decay):
@@ -78,6 +99,14 @@ def decay(log_decay):
     where exp takes several more. Callers pass log_decay <= 0, where the scaling is exact to
     fp32 rounding and results below fp32's normal range may flush to 0."""
     return jnp.exp2(log_decay * LOG2_E)
+
+
+def near_blocks(gc) -> jax.Array:
+    """i32 [NC, C / 16, HV], 1 where a 16-row block is *near*: from its first row to its last
+    no channel of gc ([NC, C, HV, K] fp32) decays by NEAR_DECAY or more. Computed once, so the
+    diagonal and scores kernels take the same decision for every block."""
+    first, last = gc[:, ::SUB_BLOCK], gc[:, SUB_BLOCK - 1::SUB_BLOCK]
+    return (jnp.max(first - last, axis=-1) < NEAR_DECAY).astype(jnp.int32)
 
 
 def chunk_is_live(live_ref):
@@ -135,22 +164,22 @@ def queries_keys_kernel(live_ref, tokens_ref, q_ref, k_ref, q_c_ref, k_c_ref, *,
             out_ref[...] = (l2_normalize(rows) if normalize else rows).astype(out_ref.dtype)
 
 
-def diagonal_rows(
-    row,  # this program's row of the chunk
+def diagonal_row(
+    row,  # a row of the chunk
     q_ref,  # [C, Hq, K]: the chunk's query heads that this program's value heads read
     k_ref,  # [C, Hq, K]
     gc_ref,  # [C, heads, K] fp32
     beta_ref,  # [C, heads]
-    kk_ref,  # [heads, 16] fp32: beta_i k_i . k_j exp(gc_i - gc_j), j < i in the row's block
-    qk_ref,  # [heads, 16]  scale q_i . k_j exp(gc_i - gc_j), j <= i in the row's block
     *,
     scale: float,
     group: int,
 ):
+    """The row's [heads, 16] entries of kk (fp32: beta_i k_i . k_j exp(gc_i - gc_j), j < i in
+    the row's block) and qk (scale q_i . k_j exp(gc_i - gc_j), j <= i)."""
     f32 = jnp.float32
-    heads = kk_ref.shape[0]
-    shared = lax.broadcasted_iota(jnp.int32, (heads,), 0) // group  # each value head's q/k head
     start = row // SUB_BLOCK * SUB_BLOCK
+    heads = gc_ref.shape[1]
+    shared = lax.broadcasted_iota(jnp.int32, (heads,), 0) // group  # each value head's q/k head
     gc = gc_ref[row]
     q = q_ref[row, shared].astype(f32) * scale
     k = k_ref[row, shared].astype(f32)
@@ -165,48 +194,70 @@ def diagonal_rows(
     zeros = jnp.zeros((heads, SUB_BLOCK), f32)
     kk, qk = lax.fori_loop(start, row + 1, earlier_key, (zeros, zeros))
     beta = beta_ref[row].astype(f32)[:, None]
-    kk_ref[...] = jnp.where(column < row - start, kk, 0.0) * beta
-    qk_ref[...] = qk.astype(qk_ref.dtype)
+    return jnp.where(column < row - start, kk, 0.0) * beta, qk
 
 
 def score_rows(
     block: int,  # this call's 16-row block of the chunk (static)
+    near,  # whether the block is near (`near_blocks`): its pairs go through its first row
     q_ref,  # [C, K]
     k_ref,  # [C, K]
     gc_ref,  # [C, K] fp32, in-chunk cumulative log decay
     beta_ref,  # [C]
-    kk_diag_ref,  # [C, 16] fp32, `diagonal_rows`'s kk of every row
+    kk_diag_ref,  # [C, 16] fp32, `diagonal_row`'s kk of every row of a block not near
     qk_diag_ref,  # [C, 16]  and its qk
     parts_ref,  # [16, C] fp32, this block's rows of M + (I + D)^-1
     aqk_ref,  # [16, C]  this block's rows of the causal scale * q_i . k_j * exp(gc_i - gc_j)
     *,
     scale: float,
     precision,
+    exact,
 ):
     f32 = jnp.float32
     chunk, head_k = k_ref.shape
     start = block * SUB_BLOCK
     rows = pl.ds(start, SUB_BLOCK)
+    beta = beta_ref[rows].astype(f32)[:, None]
+    exact_dot = functools.partial(dot, precision=exact)
 
-    exact_dot = functools.partial(dot, precision=lax.Precision.HIGHEST)
-    block_inverse = nilpotent_inverse(kk_diag_ref[rows, :], SUB_BLOCK, exact_dot)
+    def decayed_rows(keys):  # the block's rows decayed to its first row, in columns `keys`
+        reference = gc_ref[pl.ds(start, 1), keys]
+        to_reference = gc_ref[rows, keys] - reference  # <= 0
+        k_rows = k_ref[rows, keys].astype(f32)
+        q_rows = q_ref[rows, keys].astype(f32)
+        return (reference, to_reference, k_rows, k_rows * decay(to_reference),
+                q_rows * (scale * decay(to_reference)))
+
+    def pairs_through_first_row():  # a near block: its keys grown to the first row (< NEAR_DECAY)
+        in_kk = in_qk = jnp.zeros((SUB_BLOCK, SUB_BLOCK), f32)
+        for keys in _column_slices(head_k):
+            _, to_reference, k_rows, left_k, left_q = decayed_rows(keys)
+            grown = k_rows * jnp.exp2(-to_reference * LOG2_E)
+            in_kk += dot_nt(left_k, grown, precision)
+            in_qk += dot_nt(left_q, grown, precision)
+        row_in_block = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 0)
+        col_in_block = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, SUB_BLOCK), 1)
+        return (jnp.where(col_in_block < row_in_block, in_kk * beta, 0.0),
+                jnp.where(col_in_block <= row_in_block, in_qk, 0.0))
+
+    kk_block, qk_block = lax.cond(
+        near, pairs_through_first_row,
+        lambda: (kk_diag_ref[rows, :], qk_diag_ref[rows, :].astype(f32)))
+    block_inverse = nilpotent_inverse(kk_block, SUB_BLOCK, exact_dot)
     parts_ref[:, rows] = block_inverse
-    aqk_ref[:, rows] = qk_diag_ref[rows, :].astype(aqk_ref.dtype)
+    aqk_ref[:, rows] = qk_block.astype(aqk_ref.dtype)
 
-    if block:  # the earlier blocks' keys: the narrowest power-of-two width (>= 32) holding them
+    if block:  # the earlier blocks' keys, decayed from the first row; padded to a power of two
         width = max(2 * SUB_BLOCK, 1 << (start - 1).bit_length())
-        beta = beta_ref[rows].astype(f32)[:, None]
         earlier = pl.ds(0, width)
         is_earlier = lax.broadcasted_iota(jnp.int32, (width, 1), 0) < start
         across_kk = across_qk = jnp.zeros((SUB_BLOCK, width), f32)
         for keys in _column_slices(head_k):
-            reference = gc_ref[pl.ds(start, 1), keys]
-            to_reference = decay(gc_ref[rows, keys] - reference)
+            reference, _, _, left_k, left_q = decayed_rows(keys)
             right = jnp.where(is_earlier, k_ref[earlier, keys].astype(f32) * decay(
                 jnp.minimum(reference - gc_ref[earlier, keys], 0.0)), 0.0)
-            across_kk += dot_nt(k_ref[rows, keys].astype(f32) * to_reference, right, precision)
-            across_qk += dot_nt(q_ref[rows, keys].astype(f32) * (scale * to_reference), right,
-                                precision)
+            across_kk += dot_nt(left_k, right, precision)
+            across_qk += dot_nt(left_q, right, precision)
         earlier_columns = lax.broadcasted_iota(jnp.int32, (SUB_BLOCK, width), 1) < start
         pallas_backend.masked_store(parts_ref.at[:, earlier],
                                     exact_dot(block_inverse, across_kk * beta), earlier_columns)
@@ -263,17 +314,35 @@ def solve_chunk(
         kg_ref[:, keys] = (k * decay(jnp.minimum(last - gc, 0.0))).astype(kg_ref.dtype)
 
 
-def diagonal_kernel(live_ref, *refs, **params):
-    """``diagonal_rows`` for a live chunk; the row is read here, outside the branch."""
-    row = pl.program_id(1)
-    pl.when(chunk_is_live(live_ref))(lambda: diagonal_rows(row, *refs, **params))
+def diagonal_kernel(live_ref, near_ref, *refs, **params):
+    """``diagonal_row`` for each of this program's rows ([rows, heads, 16] blocks of kk and
+    qk, the last two refs) in a live chunk, unless their 16-row block is near for every one of
+    the program's heads (``near_ref`` [heads]): then they are left unwritten, and the scores
+    kernel forms them. The rows are read here, outside the branch."""
+    *inputs, kk_ref, qk_ref = refs
+    rows = kk_ref.shape[0]
+    first_row = pl.program_id(1) * rows
+    far = jnp.min(near_ref[...]) == 0
+
+    def one_row(r, carry):
+        kk, qk = diagonal_row(first_row + r, *inputs, **params)
+        kk_ref[r] = kk
+        qk_ref[r] = qk.astype(qk_ref.dtype)
+        return carry
+
+    @pl.when(chunk_is_live(live_ref) & far)
+    def _():
+        lax.fori_loop(0, rows, one_row, 0)
 
 
-def scores_kernel(live_ref, *refs, block: int, **params):
-    """``score_rows`` of row block ``block`` for a live chunk. ``refs`` are its six inputs,
-    then (for every block but the first) the parts and aqk buffers as aliased inputs (the
-    earlier calls' rows, left alone here), then the same two as outputs."""
-    pl.when(chunk_is_live(live_ref))(lambda: score_rows(block, *refs[:6], *refs[-2:], **params))
+def scores_kernel(live_ref, near_ref, *refs, block: int, **params):
+    """``score_rows`` of row block ``block`` for a live chunk, ``near_ref`` [C / 16] the
+    chunk's near flags for this head. ``refs`` are its six inputs, then (for every block but
+    the first) the parts and aqk buffers as aliased inputs (the earlier calls' rows, left alone
+    here), then the same two as outputs."""
+    near = near_ref[block] != 0
+    pl.when(chunk_is_live(live_ref))(
+        lambda: score_rows(block, near, *refs[:6], *refs[-2:], **params))
 
 
 def solve_kernel(live_ref, *refs, **params):
@@ -299,22 +368,29 @@ def diagonal_heads(most: int, value_heads: int, group: int) -> int:
                if value_heads % h == 0 and (h % group == 0 or group % h == 0))
 
 
-def diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, *, group: int, scale: float,
+def diagonal_pairs(q_c, k_c, gc, beta_c, near, live_chunks, *, group: int, scale: float,
                    config: ChunkConfig, interpret: bool):
-    """`diagonal_rows` over every chunk row: q_c, k_c [NC, C, H, K], gc [NC, C, HV, K] fp32,
-    beta_c [NC, C, HV], live_chunks i32[1]; returns kk [NC, C, HV, 16] fp32 and qk in q's
-    dtype (bf16 or fp32)."""
+    """`diagonal_row` over every chunk row of the blocks that are not near: q_c, k_c [NC, C,
+    H, K], gc [NC, C, HV, K] fp32, beta_c [NC, C, HV], near i32[NC, C / 16, HV], live_chunks
+    i32[1]; returns kk [NC, C, HV, 16] fp32 and qk in q's dtype (bf16 or fp32), unwritten in
+    the rows of a block near for all of a program's heads."""
     num_chunks, C, HV, K = gc.shape
     heads = diagonal_heads(config.diagonal_heads, HV, group)
+    rows = config.diagonal_rows
+    if rows < 1 or SUB_BLOCK % rows:
+        raise ValueError(f"diagonal_rows must divide {SUB_BLOCK}, got {rows}")
     squeezed = pl.squeezed
     query_heads = max(1, heads // group)
     query_spec = pl.BlockSpec((squeezed, C, query_heads, K),
                               lambda c, i, h: (c, 0, h * heads // group // query_heads, 0))
-    pair_spec = pl.BlockSpec((squeezed, squeezed, heads, SUB_BLOCK), lambda c, i, h: (c, i, h, 0))
+    pair_spec = pl.BlockSpec((squeezed, rows, heads, SUB_BLOCK), lambda c, r, h: (c, r, h, 0))
     return pl.pallas_call(
         functools.partial(diagonal_kernel, scale=scale, group=group),
-        grid=(num_chunks, C, HV // heads),
-        in_specs=[pl.BlockSpec(index_map=lambda *_: (0,)), query_spec, query_spec,
+        grid=(num_chunks, C // rows, HV // heads),
+        in_specs=[pl.BlockSpec(index_map=lambda *_: (0,)),
+                  pl.BlockSpec((squeezed, squeezed, heads),
+                               lambda c, r, h: (c, r * rows // SUB_BLOCK, h)),
+                  query_spec, query_spec,
                   pl.BlockSpec((squeezed, C, heads, K), lambda c, i, h: (c, 0, h, 0)),
                   pl.BlockSpec((squeezed, C, heads), lambda c, i, h: (c, 0, h))],
         out_specs=[pair_spec, pair_spec],
@@ -324,7 +400,7 @@ def diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, *, group: int, scale: floa
                                                        num_stages=1),
         interpret=interpret,
         name="kda_chunk_diagonal",
-    )(live_chunks, q_c, k_c, gc, beta_c)
+    )(live_chunks, near, q_c, k_c, gc, beta_c)
 
 
 def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: float,
@@ -337,8 +413,9 @@ def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: f
     (num_chunks, C), (_, HV, K) = tokens.shape, g.shape
     V = v.shape[-1]
     precision = lax.Precision.HIGHEST if v.dtype == jnp.float32 else lax.Precision.DEFAULT
-    exact = (lax.Precision.HIGHEST if interpret or v.dtype == jnp.float32
-             else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    fp32_inverses = interpret or v.dtype == jnp.float32
+    block_exact, exact = (lax.Precision.HIGHEST if fp32_inverses else INVERSE_DOTS[name]
+                          for name in (config.block_inverse_dots, config.inverse_dots))
     dot_dtype = jnp.float32 if v.dtype == jnp.float32 else jnp.bfloat16
     squeezed = pl.squeezed
 
@@ -356,6 +433,7 @@ def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: f
         return jax.ShapeDtypeStruct((HV, num_chunks, C, width), dtype)
 
     beta_spec = pl.BlockSpec((squeezed, C, squeezed), lambda c, h, *_: (c, 0, h))
+    near_spec = pl.BlockSpec((squeezed, C // SUB_BLOCK, squeezed), lambda c, h: (c, 0, h))
     live_spec = pl.BlockSpec(index_map=lambda *_: (0,))
     tokens_spec = pl.BlockSpec((squeezed, C), lambda c, *_: (c, 0))
     whole = pl.BlockSpec()
@@ -381,25 +459,28 @@ def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: f
         interpret=interpret,
         name="kda_chunk_queries_keys",
     )(live_chunks, tokens, q, k)
-    kk_diag, qk_diag = diagonal_pairs(q_c, k_c, gc, beta_c, live_chunks, group=group, scale=scale,
-                                      config=config, interpret=interpret)
+    near = near_blocks(gc)
+    kk_diag, qk_diag = diagonal_pairs(q_c, k_c, gc, beta_c, near, live_chunks, group=group,
+                                      scale=scale, config=config, interpret=interpret)
     parts_and_aqk = []
     for block in range(C // SUB_BLOCK):  # one call per row block: its code has static offsets
         parts_and_aqk = pl.pallas_call(
-            functools.partial(scores_kernel, block=block, scale=scale, precision=precision),
+            functools.partial(scores_kernel, block=block, scale=scale, precision=precision,
+                              exact=block_exact),
             grid=(num_chunks, HV),
-            in_specs=[live_spec, chunk_spec(K, shared_head), chunk_spec(K, shared_head),
-                      chunk_spec(K, own_head), beta_spec, chunk_spec(SUB_BLOCK, own_head),
-                      chunk_spec(SUB_BLOCK, own_head)] + [whole] * len(parts_and_aqk),
+            in_specs=[live_spec, near_spec, chunk_spec(K, shared_head),
+                      chunk_spec(K, shared_head), chunk_spec(K, own_head), beta_spec,
+                      chunk_spec(SUB_BLOCK, own_head), chunk_spec(SUB_BLOCK, own_head)]
+                     + [whole] * len(parts_and_aqk),
             out_specs=[pl.BlockSpec((squeezed, squeezed, SUB_BLOCK, C),
                                     lambda c, h, b=block: (h, c, b, 0))] * 2,
             out_shape=[chunked(C, jnp.float32), chunked(C)],
-            input_output_aliases={7: 0, 8: 1} if parts_and_aqk else {},
+            input_output_aliases={8: 0, 9: 1} if parts_and_aqk else {},
             compiler_params=pallas_backend.compiler_params(num_warps=config.scores_num_warps,
                                                            num_stages=1),
             interpret=interpret,
             name="kda_chunk_scores",
-        )(live_chunks, q_c, k_c, gc, beta_c, kk_diag, qk_diag, *parts_and_aqk)
+        )(live_chunks, near, q_c, k_c, gc, beta_c, kk_diag, qk_diag, *parts_and_aqk)
     parts, aqk = parts_and_aqk
 
     def out_spec(width):
