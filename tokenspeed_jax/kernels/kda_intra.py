@@ -382,7 +382,7 @@ def diagonal_pairs(q_c, k_c, gc, beta_c, near, live_chunks, *, group: int, scale
     squeezed = pl.squeezed
     query_heads = max(1, heads // group)
     query_spec = pl.BlockSpec((squeezed, C, query_heads, K),
-                              lambda c, i, h: (c, 0, h * heads // group // query_heads, 0))
+                              lambda c, r, h: (c, 0, h * heads // group // query_heads, 0))
     pair_spec = pl.BlockSpec((squeezed, rows, heads, SUB_BLOCK), lambda c, r, h: (c, r, h, 0))
     return pl.pallas_call(
         functools.partial(diagonal_kernel, scale=scale, group=group),
@@ -391,8 +391,8 @@ def diagonal_pairs(q_c, k_c, gc, beta_c, near, live_chunks, *, group: int, scale
                   pl.BlockSpec((squeezed, squeezed, heads),
                                lambda c, r, h: (c, r * rows // SUB_BLOCK, h)),
                   query_spec, query_spec,
-                  pl.BlockSpec((squeezed, C, heads, K), lambda c, i, h: (c, 0, h, 0)),
-                  pl.BlockSpec((squeezed, C, heads), lambda c, i, h: (c, 0, h))],
+                  pl.BlockSpec((squeezed, C, heads, K), lambda c, r, h: (c, 0, h, 0)),
+                  pl.BlockSpec((squeezed, C, heads), lambda c, r, h: (c, 0, h))],
         out_specs=[pair_spec, pair_spec],
         out_shape=[jax.ShapeDtypeStruct((num_chunks, C, HV, SUB_BLOCK), dtype)
                    for dtype in (jnp.float32, q_c.dtype)],
