@@ -47,17 +47,22 @@ def needs_full_sampler(params: SamplingParams) -> bool:
     return params.has_penalties or truncates or bool(params.logprobs)
 
 
+def settings_rows(requests: Sequence[StepRequest]) -> list[tuple[SamplingParams, int]]:
+    """Each request's sampling parameters and the index of the output token it samples next."""
+    return [(r.params, len(r.output_token_ids)) for r in requests]
+
+
 def sampling_arrays(requests: Sequence[StepRequest], rows: int) -> SamplingArrays:
     """The sampling settings of ``requests`` as arrays padded (greedy) to ``rows``."""
     return SamplingArrays.from_params(
-        [(r.params, len(r.output_token_ids)) for r in requests], pad_to=rows)
+        settings_rows(requests), pad_to=rows)
 
 
 def write_sampling_fields(fields: Mapping[str, np.ndarray],
                           requests: Sequence[StepRequest]) -> None:
     """Writes the settings of ``requests`` into the first rows of ``sampling_fields``'s fields
     (``fields``: the writable views of a ``PackedBuilder``, padding rows left as they are)."""
-    columns = settings_columns([(r.params, len(r.output_token_ids)) for r in requests])
+    columns = settings_columns(settings_rows(requests))
     for name, column in columns.items():
         fields[f"sampling.{name}"][:len(requests)] = column
 

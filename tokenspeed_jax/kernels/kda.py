@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_intra import INVERSE_DOTS, intra_stage
+from tokenspeed_jax.kernels.kda_intra import INVERSE_DOTS, SUB_BLOCK, intra_stage
 from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
@@ -78,6 +78,8 @@ class ChunkConfig:
     block_inverse_dots: str = "bf16x3"  # the scores calls' 16 x 16 inverse products
 
     def __post_init__(self):
+        if self.diagonal_rows < 1 or SUB_BLOCK % self.diagonal_rows:
+            raise ValueError(f"diagonal_rows must divide {SUB_BLOCK}, got {self.diagonal_rows}")
         for name in (self.inverse_dots, self.block_inverse_dots):
             if name not in INVERSE_DOTS:
                 raise ValueError(f"unknown inverse dot algorithm {name!r}; "

@@ -376,9 +376,7 @@ def diagonal_pairs(q_c, k_c, gc, beta_c, near, live_chunks, *, group: int, scale
     the rows of a block near for all of a program's heads."""
     num_chunks, C, HV, K = gc.shape
     heads = diagonal_heads(config.diagonal_heads, HV, group)
-    rows = config.diagonal_rows
-    if rows < 1 or SUB_BLOCK % rows:
-        raise ValueError(f"diagonal_rows must divide {SUB_BLOCK}, got {rows}")
+    rows = config.diagonal_rows  # divides 16 (`ChunkConfig` checks it)
     squeezed = pl.squeezed
     query_heads = max(1, heads // group)
     query_spec = pl.BlockSpec((squeezed, C, query_heads, K),
