@@ -11,7 +11,8 @@ round, for every batch, each variant in turn times a whole step (median of 20) a
 median over rounds and the min-max spread, in ms. ``VARIANTS`` names what can be compared: XLA
 compiler options (``EngineConfig.xla_compiler_options``), the fused decode kernel's knobs
 (most key splits, pages per key block; None = JAX's paged-attention op) and
-``EngineConfig.stack_decode_weights`` (None = auto). Each variant compiles
+``EngineConfig.stack_decode_weights`` and ``alternate_decode_executables`` (None = auto):
+each variant is the keyword arguments it gives ``bench_graph.decode_runner``. Each variant compiles
 its own executables (the options are part of the cache key).
 """
 
@@ -27,16 +28,20 @@ from tokenspeed_jax.engine.batch import StepBatch
 
 SERIALIZE = ("xla_gpu_command_buffer_scheduling_mode=SERIALIZE",)
 ONE_SPLIT = (1, bench_graph.DEFAULT_FUSED[1])
-VARIANTS: dict[str, tuple[tuple[str, ...], tuple[int, int] | None, bool | None]] = {
-    "default": ((), bench_graph.DEFAULT_FUSED, None),
-    "serialize": (SERIALIZE, bench_graph.DEFAULT_FUSED, None),
-    "one-split": ((), ONE_SPLIT, None),
-    "serialize-one-split": (SERIALIZE, ONE_SPLIT, None),
-    "op-route": ((), None, None),
-    "stacked-weights": ((), bench_graph.DEFAULT_FUSED, True),
-    "per-layer-weights": ((), bench_graph.DEFAULT_FUSED, False),
-    "cublas-gemm": (("xla_gpu_enable_triton_gemm=false",), bench_graph.DEFAULT_FUSED, None),
-    "no-autotune": (("xla_gpu_autotune_level=0",), bench_graph.DEFAULT_FUSED, None),
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "serialize": {"xla_compiler_options": SERIALIZE},
+    "one-split": {"fused": ONE_SPLIT},
+    "serialize-one-split": {"xla_compiler_options": SERIALIZE, "fused": ONE_SPLIT},
+    "op-route": {"fused": None},
+    "stacked-weights": {"stack_decode_weights": True},
+    "per-layer-weights": {"stack_decode_weights": False},
+    "cublas-gemm": {"xla_compiler_options": ("xla_gpu_enable_triton_gemm=false",)},
+    "no-autotune": {"xla_compiler_options": ("xla_gpu_autotune_level=0",)},
+    "exhaustive-tiling": {"xla_compiler_options": ("xla_gpu_exhaustive_tiling_search=true",)},
+    "no-command-buffer": {"xla_compiler_options": ("xla_gpu_enable_command_buffer=",)},
+    "alternate-copies": {"alternate_decode_executables": True},
+    "one-copy": {"alternate_decode_executables": False},
 }
 STEP_ITERS = 20
 AHEAD_STEPS = 60
@@ -54,10 +59,10 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model = bench_graph.load_model(args.model, args.dtype, random_weights=True)
-    runners = {name: bench_graph.decode_runner(model, batches, args.context, fused, options,
-                                               stacked)
-               for name in args.variants
-               for options, fused, stacked in [VARIANTS[name]]}
+    runners = {name: bench_graph.decode_runner(
+                   model, batches, args.context,
+                   **{"fused": bench_graph.DEFAULT_FUSED, **VARIANTS[name]})
+               for name in args.variants}
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for batch in batches:

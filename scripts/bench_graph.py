@@ -171,17 +171,19 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
 def decode_runner(model, batches: list[int], context: int,
                   fused: tuple[int, int] | None = None,
                   xla_compiler_options: tuple[str, ...] = (),
-                  stack_decode_weights: bool | None = None) -> ModelRunner:
+                  stack_decode_weights: bool | None = None,
+                  alternate_decode_executables: bool | None = None) -> ModelRunner:
     """A runner with only the decode graph, compiled for ``batches`` at ``context`` tokens
     on the op's route, or with ``fused`` = (most key splits, pages per key block) on the fused
-    decode attention kernel with those knobs; with ``xla_compiler_options`` and
-    ``stack_decode_weights`` (EngineConfig's)."""
+    decode attention kernel with those knobs; with ``xla_compiler_options``,
+    ``stack_decode_weights`` and ``alternate_decode_executables`` (EngineConfig's)."""
     top = max(batches)
     config = EngineConfig(
         prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
         decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE,
         fused_decode_attention=fused is not None, xla_compiler_options=xla_compiler_options,
-        stack_decode_weights=stack_decode_weights)
+        stack_decode_weights=stack_decode_weights,
+        alternate_decode_executables=alternate_decode_executables)
     runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
                          page_size=PAGE_SIZE)
     if fused is not None:

@@ -18,6 +18,7 @@ from tokenspeed_jax.graph import (
     Call,
     CompileError,
     CompileGuard,
+    ExecutableCache,
     Plan,
     PlanCompiler,
     RuntimeCompileError,
@@ -101,6 +102,48 @@ def test_donated_input_is_consumed_and_aliased(compiled):
     x = jax.device_put(np.ones((16, WIDTH), np.float32))
     plans["rows=16"].run({"x": x}, {"scale": {"factor": np.ones(16, np.float32)}})
     assert x.is_deleted()
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["compiled", "from-cache"])
+def test_copies_of_a_plan_have_their_own_executables_and_the_same_results(tmp_path, cached):
+    """``add(copies=3)`` gives a bucket's plan two more loaded copies of its executables (calls
+    that shared one share its copy) on the same weights, called directly like the first, with
+    bit-equal results, whether the first was compiled or loaded from the cache; other buckets
+    get none."""
+    def compile_with_copies():
+        compiler = PlanCompiler(progress=False, cache=ExecutableCache(tmp_path))
+        for size, copies in ((16, 3), (32, 1)):
+            compiler.add(f"rows={size}", PLAN,
+                         {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)},
+                         {"scale": {"factor": jax.ShapeDtypeStruct((size,), jnp.float32)}},
+                         copies=copies)
+        return compiler.compile_all()
+
+    plans, summary = compile_with_copies()
+    if cached:
+        plans, summary = compile_with_copies()
+        assert summary.num_loaded == summary.num_executables
+    plan = plans["rows=16"]
+    assert len(plan.copies) == 2 and plans["rows=32"].copies == ()
+    versions = [plan, *plan.copies]
+    ids = [{id(c.executable) for c in version.calls} for version in versions]
+    assert all(len(i) == 2 for i in ids) and len(set.union(*ids)) == 6
+    for version in versions:
+        calls = version.calls
+        assert calls[0].executable is calls[2].executable is calls[3].executable
+        assert [(c.name, c.inputs, c.meta, c.direct is None) for c in calls] == \
+            [(c.name, c.inputs, c.meta, c.direct is None) for c in plan.calls]
+        assert all(c.param_leaves is p.param_leaves for c, p in zip(calls, plan.calls))
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, WIDTH)).astype(np.float32)
+    meta = {"scale": {"factor": rng.uniform(0.5, 2.0, 16).astype(np.float32)}}
+    results = [np.asarray(v.run({"x": jax.device_put(x)}, meta)["x"]) for v in versions]
+    np.testing.assert_allclose(results[0], numpy_reference(x, meta["scale"]["factor"]),
+                               rtol=1e-4, atol=1e-5)
+    for result in results[1:]:
+        np.testing.assert_array_equal(result, results[0])
+    with pytest.raises(ValueError, match="copies"):
+        PlanCompiler(progress=False).add("rows=16", PLAN, {}, copies=0)
 
 
 def fresh_compile(*shape: int) -> jax.Array:

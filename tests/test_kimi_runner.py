@@ -33,8 +33,8 @@ CONFIG = EngineConfig(
 
 
 def test_llama_only_settings_are_logged_as_ignored(caplog):
-    """``inline_prefill_attention``, ``fused_decode_attention`` and ``stack_decode_weights`` name
-    Llama-family routes: the Kimi runner says it ignores each when set away from its default,
+    """``inline_prefill_attention``, ``fused_decode_attention``, ``stack_decode_weights`` and
+    ``alternate_decode_executables`` name Llama-family routes: the Kimi runner says it ignores each when set away from its default,
     and says nothing at the defaults."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
 
@@ -46,9 +46,10 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
 
     changed = warnings(dataclasses.replace(CONFIG, inline_prefill_attention=True,
                                            fused_decode_attention=False,
-                                           stack_decode_weights=True))
+                                           stack_decode_weights=True,
+                                           alternate_decode_executables=True))
     for setting in ("inline_prefill_attention=True", "fused_decode_attention=False",
-                    "stack_decode_weights=True"):
+                    "stack_decode_weights=True", "alternate_decode_executables=True"):
         assert sum(f"{setting} does not apply to Kimi Linear" in m for m in changed) == 1
     assert not any("does not apply" in m for m in warnings(CONFIG))
 

@@ -300,13 +300,14 @@ def test_kv_cache_is_donated_not_copied(runner):
 
 def test_batch_one_decode_updates_the_cache_in_place(runner):
     """A one-row KV write must stay an in-place scatter: XLA turns a one-row scatter into a
-    dynamic-update-slice plus whole-cache copies, which made batch-1 decode 10x slower."""
-    decode = runner._decode_steps[2].calls[0].executable
+    dynamic-update-slice plus whole-cache copies, which made batch-1 decode 10x slower. The token
+    board is donated too, so a step's buffers keep their addresses from step to step."""
+    decode = runner._decode_steps[2][0].calls[0].executable
     cache = runner.k_pages[0]
     cache_bytes = cache.size * cache.dtype.itemsize
     all_caches = 2 * runner.num_layers * cache_bytes
     analysis = decode.memory_analysis()
-    assert analysis.alias_size_in_bytes >= all_caches
+    assert analysis.alias_size_in_bytes >= all_caches + runner.board.nbytes
     assert analysis.temp_size_in_bytes < all_caches  # copies would need at least this much
 
 
@@ -557,7 +558,7 @@ def test_inline_prefill_attention_matches_reference(model):
 
 
 def decode_argument_count(runner) -> int:
-    (call,) = runner._decode_steps[2].calls
+    (call,) = runner._decode_steps[2][0].calls
     return len(call.inputs) + 1 + len(call.param_leaves)  # + the packed metadata
 
 
@@ -599,8 +600,57 @@ def test_auto_settings_follow_platform_and_layer_weight_size(setting):
     assert not rule(EngineConfig(**{setting: False}), small, "gpu")
 
 
+def test_decode_copies_take_turns_and_run_ahead_like_the_reference(model):
+    """With ``alternate_decode_executables`` a decode bucket holds two loaded copies of its
+    executable and successive steps take turns; tokens that run ahead on the board, from one copy
+    into the other, match the reference forward, and so do the K/V pages."""
+    config = dataclasses.replace(ENGINE, alternate_decode_executables=True)
+    this = ModelRunner(model, config, 64, PAGE)
+    this.compile_all()
+    try:
+        first, second = this._decode_steps[2]
+        assert first.calls[0].executable is not second.calls[0].executable
+        prompt_list = prompts(17, 9, 4)
+        pages = Pages()
+        tables = [pages.take(len(p) + 8) for p in prompt_list]
+        pair = [request(str(i), p, 0, t) for i, (p, t) in enumerate(zip(prompt_list, tables))]
+        taken = [this.decode_inputs(pair)[0] for _ in range(3)]
+        assert taken[0] is not taken[1] and taken[2] is taken[0] and set(map(id, taken)) == \
+            {id(first), id(second)}
+        out = this.step(StepBatch(pair))
+        seqs = [[*p, int(token)] for p, token in zip(prompt_list, out.token_ids)]
+        pending = this.launch(StepBatch([request(str(i), [s[-1]], len(s) - 1, t)
+                                         for i, (s, t) in enumerate(zip(seqs, tables))]))
+        for _ in range(5):
+            following = this.launch(StepBatch([
+                dataclasses.replace(request(str(i), [0], len(s), t), token_row=i)
+                for i, (s, t) in enumerate(zip(seqs, tables))]))
+            out = pending.result()
+            for i, seq in enumerate(seqs):
+                check(model, this, out.token_ids[i], out.logprobs[i], seq, tables[i])
+                seq.append(int(out.token_ids[i]))
+            pending = following
+        out = pending.result()
+        for i, seq in enumerate(seqs):
+            check(model, this, out.token_ids[i], out.logprobs[i], seq, tables[i])
+        assert this.stats()["decode_graph_runs"] == 6
+        assert this.stats()["runtime_compiles"] == 0
+    finally:
+        this.guard.disarm()
+
+
+def test_decode_copies_are_auto_on_one_gpu_only():
+    rule = model_runner.alternates_decode_executables
+    assert rule(EngineConfig(), "gpu")
+    assert not rule(EngineConfig(), "cpu")
+    assert not rule(EngineConfig(tensor_parallel_size=2), "gpu")
+    assert rule(EngineConfig(alternate_decode_executables=True), "cpu")
+    assert not rule(EngineConfig(alternate_decode_executables=False), "gpu")
+
+
 def test_default_runner_on_the_cpu_is_segmented_with_per_layer_weights(runner):
     assert not runner.inline_prefill and runner.stacked_layers is None
+    assert not runner.alternate_decode and len(runner._decode_steps[2]) == 1
     assert len(runner.encoder_plan.calls) == 2 * CONFIG.num_hidden_layers + 1
     with pytest.raises(ValueError, match="stack_decode_weights"):
         EngineConfig(stack_decode_weights=True, tensor_parallel_size=2)

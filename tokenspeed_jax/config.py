@@ -67,6 +67,11 @@ class EngineConfig:
     # weights take at most 2 GiB, without tensor parallelism (small models, whose decode step is
     # host-bound); off on the CPU, whose XLA backend copies the slices (Llama-family models).
     stack_decode_weights: bool | None = None
+    # Load each decode executable twice and let successive decode steps take turns, so neither
+    # copy's command buffer (CUDA graph) sees a buffer address change and is re-recorded before
+    # its launch (engine/model_runner.py). None = auto: on one GPU; off on the CPU, which has no
+    # command buffers (Llama-family models).
+    alternate_decode_executables: bool | None = None
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
     # Keep compiled executables on disk and load them on the next start instead of compiling.

@@ -226,7 +226,7 @@ class KimiRunner:
         self.page_size = page_size
         self.num_state_slots = num_state_slots
         warn_inapplicable(config, ("inline_prefill_attention", "fused_decode_attention",
-                                   "stack_decode_weights"),
+                                   "stack_decode_weights", "alternate_decode_executables"),
                           "Kimi Linear (MLA attention, its own routes)", logger)
         self.pages_per_request = math.ceil(config.max_model_len / page_size)
         self.scale = float(model.attention_scale)

@@ -14,6 +14,11 @@ Routes, chosen per step from static configuration and the step's sizes:
   layer weight stacked over the layers, a start-up copy, so its argument count does not grow
   with depth: on a GPU each argument costs host time at every call. The inline prefill encoder
   keeps one argument per layer weight: stacked, its larger products ran 5-8% slower.
+  With ``alternate_decode_executables`` (auto on one GPU) each decode bucket's executable is
+  loaded twice (``PlanCompiler.add(copies=2)``) and successive decode steps take turns: the token
+  board and the caches are donated (fixed addresses), and the metadata and outputs come from a
+  two-deep cycle, so each copy's command buffer sees the same addresses at every call and is
+  never re-recorded (re-recording took about 200 us a SmolLM2 step on an H200).
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (on a
   GPU the fused kernel that also writes the step's K/V, or with ``fused_decode_attention`` off
   the Pallas op), so its cost follows the live context, not ``max_model_len``.
@@ -238,6 +243,14 @@ def inlines_prefill_attention(config: EngineConfig, layer_states: Sequence[Any],
     return small_model_on_one_gpu(config, layer_states, platform)
 
 
+def alternates_decode_executables(config: EngineConfig, platform: str) -> bool:
+    """Whether decode steps take turns between two loaded copies of each decode executable: an
+    explicit setting, else on one GPU (command buffers are a GPU runtime's)."""
+    if config.alternate_decode_executables is not None:
+        return config.alternate_decode_executables
+    return platform == "gpu" and config.tensor_parallel_size == 1
+
+
 def stacked_copy_bytes(config: EngineConfig, model: Any) -> int:
     """Device bytes a ``ModelRunner`` of ``model`` adds for its stacked decode weights (0 when
     it keeps them per layer): what start-up reserves before sizing the KV cache."""
@@ -292,6 +305,7 @@ class ModelRunner:
         stacked = stacks_decode_weights(config, self.layer_states, platform)
         self.stacked_layers = stack_layer_states(self.layer_states) if stacked else None
         self.inline_prefill = inlines_prefill_attention(config, self.layer_states, platform)
+        self.alternate_decode = alternates_decode_executables(config, platform)
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
@@ -315,7 +329,8 @@ class ModelRunner:
         self._encoders: dict[int, CompiledPlan] = {}
         self._narrowers: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
-        self._decode_steps: dict[int, CompiledPlan] = {}
+        self._decode_steps: dict[int, tuple[CompiledPlan, ...]] = {}  # the copies, in turn
+        self._decode_turn = 0
         self._decode_builders: dict[int, PackedBuilder] = {}
         self.resampler = Resampler(self.model_config.vocab_size)
         self.compiled = False
@@ -458,7 +473,8 @@ class ModelRunner:
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
                                  ("sampled", "logits"))
         decoded = ("sampled", "logits", "board", *caches)
-        decode = Break("decode", self._decode_step, (*caches, "board"), decoded, donate=caches)
+        decode = Break("decode", self._decode_step, (*caches, "board"), decoded,
+                       donate=(*caches, "board"))
         layers = (tuple(self.layer_states) if self.stacked_layers is None
                   else self.stacked_layers)
         self.decode_plan = Plan([Call(decode, (self.outer_state, layers))],
@@ -614,7 +630,8 @@ class ModelRunner:
         for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
             compiler.add(f"decode B={rows}", self.decode_plan,
-                         {**caches, "board": abstract(self.board)}, meta, shardings)
+                         {**caches, "board": abstract(self.board)}, meta, shardings,
+                         copies=2 if self.alternate_decode else 1)
         self.resampler.add(compiler, [*self.buckets.prefill_requests,
                                       *self.buckets.decode_executables])
         plans, summary = compiler.compile_all()
@@ -624,6 +641,8 @@ class ModelRunner:
             table = {"prefill": self._encoders, "narrow": self._narrowers,
                      "head": self._decoders,
                      "decode": self._decode_steps}[kind]
+            if kind == "decode":
+                plan = (plan, *plan.copies)
             table[key if len(key) > 1 else key[0]] = plan
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
@@ -702,10 +721,14 @@ class ModelRunner:
         return {"head": Packed.of(sampling_fields(sampling_arrays(sampled, rows)))}
 
     def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[CompiledPlan, dict]:
-        """The compiled decode step for ``requests`` (at most the largest decode bucket) and its
-        host-built metadata (one packed buffer)."""
+        """The compiled decode step for ``requests`` (at most the largest decode bucket; the
+        bucket's copies take turns, one per call) and its host-built metadata (one packed
+        buffer)."""
         rows = self.buckets.decode_rows(len(requests))
-        return self._decode_steps[rows], {"decode": self._decode_meta(requests, rows)}
+        copies = self._decode_steps[rows]
+        self._decode_turn += 1
+        return (copies[self._decode_turn % len(copies)],
+                {"decode": self._decode_meta(requests, rows)})
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
         out, rows = self._decode(requests)

@@ -24,6 +24,17 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
 * ``compiler_options`` (XLA options, as ``jax.stages.Lowered.compile`` takes them) apply to
   every executable of the compiler and are part of its cache key; XLA rejecting one is a
   ``CompileError`` like any other.
+* ``add(..., copies=n)`` asks for n loaded copies of the bucket's executables, loaded again
+  from the cache entry or from the fresh compile's serialized form (no second compile; a CPU
+  executable that was itself deserialized does not serialize into a loadable one, so copies
+  never come from a copy), bound to the same parameter arrays: the same programs and outputs,
+  each copy with its own runtime state, in ``CompiledPlan.copies``. On a GPU that state
+  includes the command buffers (CUDA graphs) XLA records with the addresses of an executable's
+  buffers; when any address differs from the last run's, XLA re-records the graph before
+  launching it (about 200 us for SmolLM2's 303-kernel decode step on an H200, whose launch then
+  waits for the previous run). A step that alternates two copies, and whose per-step buffers
+  come from a two-deep cycle (metadata sent while the previous step's is still in use; outputs
+  held until the next step is launched), shows each copy fixed addresses.
 * With a ``mesh`` (tensor parallelism, ``tokenspeed_jax/parallel.py``) every executable is
   compiled with explicit input and output shardings: an input spec or parameter array keeps its
   own multi-device sharding, a plan value gets the sharding ``add(shardings=...)`` names for it,
@@ -42,6 +53,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from tqdm.auto import tqdm
 
@@ -150,6 +162,8 @@ class _Job:
     direct: tuple[Any, tuple[Any, ...]] | None = None  # `direct_call`'s pair
     seconds: float = 0.0
     loaded: bool = False
+    spares_wanted: int = 0  # further loaded copies (``add(copies=...)``)
+    spares: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # (exe, direct)
 
     @property
     def num_args(self) -> int:
@@ -233,7 +247,7 @@ class PlanCompiler:
         self.cache = cache
         self.fingerprint = fingerprint
         self._jobs: dict[tuple, _Job] = {}
-        self._plans: list[tuple[str, Plan, list[tuple[_Job, Call, str | None]]]] = []
+        self._plans: list[tuple[str, Plan, list[tuple[_Job, Call, str | None]], int]] = []
         self._specs: dict[str, tuple[dict, dict]] = {}
 
     def add(
@@ -243,11 +257,15 @@ class PlanCompiler:
         input_specs: Mapping[str, jax.ShapeDtypeStruct],
         meta_specs: Mapping[str, Any] | None = None,
         shardings: Mapping[str, Sharding] | None = None,
+        copies: int = 1,
     ) -> None:
         """Trace ``plan`` for one bucket; ``label`` names the bucket in progress and errors.
         ``shardings``: plan value name -> sharding of that value wherever a call outputs it
-        (only with a mesh; unnamed values are replicated)."""
-        if any(existing == label for existing, _, _ in self._plans):
+        (only with a mesh; unnamed values are replicated). ``copies``: loaded copies of the
+        bucket's executables (module docstring)."""
+        if copies < 1:
+            raise ValueError(f"{label}: copies={copies} must be >= 1")
+        if any(existing == label for existing, *_ in self._plans):
             raise ValueError(f"bucket label {label!r} was already added")
         if shardings and self.mesh is None:
             raise ValueError(f"{label}: value shardings need a PlanCompiler mesh")
@@ -266,7 +284,8 @@ class PlanCompiler:
             job = self._trace(label, call, values, meta_specs)
             values.update(zip(call.outputs, job.out_info))
             bound.append((job, call, call.stage.name if isinstance(call.stage, Break) else None))
-        self._plans.append((label, plan, bound))
+            job.spares_wanted = max(job.spares_wanted, copies - 1)
+        self._plans.append((label, plan, bound, copies))
 
     def _placed(self, tree: Any) -> Any:
         """With a mesh: ``tree``'s specs, those without a multi-device sharding replicated."""
@@ -326,6 +345,20 @@ class PlanCompiler:
         job.loaded = True
         return True
 
+    def _load_spares(self, job: _Job) -> None:
+        """Load the job's further copies from its cache entry or its compile's serialized form."""
+        t0 = time.perf_counter()
+        with guard.startup():
+            if not job.loaded:
+                payload, in_tree, out_tree = serialize_executable.serialize(job.executable)
+                devices = job.executable.runtime_executable().local_devices()
+            while len(job.spares) < job.spares_wanted:
+                spare = (self.cache.load(job.entry) if job.loaded else
+                         serialize_executable.deserialize_and_load(
+                             payload, in_tree, out_tree, execution_devices=devices))
+                job.spares.append((spare, direct_call(spare, job.num_args)))
+        job.seconds += time.perf_counter() - t0
+
     def _compile(self, job: _Job) -> None:
         start = time.perf_counter()
         if job.traced is None:  # a cache hit that could not be loaded
@@ -362,6 +395,22 @@ class PlanCompiler:
                      else jax.device_put(leaf, spec.sharding)
                      for leaf, spec in zip(leaves, specs))
 
+    def _compiled_plan(self, label: str, plan: Plan,
+                       bound: list[tuple[_Job, Call, str | None]],
+                       leaves: list[tuple[Any, ...]], copy: int) -> CompiledPlan:
+        """The bucket's plan bound to its executables' loaded copy ``copy`` (0: the first) and
+        to each call's parameter ``leaves``."""
+        calls = []
+        for (job, call, meta), call_leaves in zip(bound, leaves):
+            executable, direct = (job.executable, job.direct) if copy == 0 else job.spares[copy - 1]
+            calls.append(CompiledCall(name=call.stage.name, executable=executable, direct=direct,
+                                      inputs=call.inputs, outputs=call.outputs, meta=meta,
+                                      param_leaves=call_leaves))
+        input_specs, meta_specs = self._specs[label]
+        return CompiledPlan(plan=plan, label=label, calls=tuple(calls), input_specs=input_specs,
+                            meta_specs=meta_specs, meta_sharding=self._replicated,
+                            blocking=self._blocking)
+
     def compile_all(self) -> tuple[dict[str, CompiledPlan], CompileSummary]:
         """Compile every registered executable; fatal on the first failure."""
         start = time.perf_counter()
@@ -385,31 +434,21 @@ class PlanCompiler:
                     bar.update()
             job.direct = direct_call(job.executable, job.num_args)
         bar.close()
-        per_label: dict[str, float] = {label: 0.0 for label, _, _ in self._plans}
+        for job in self._jobs.values():
+            if len(job.spares) < job.spares_wanted:
+                self._load_spares(job)
+        per_label: dict[str, float] = {label: 0.0 for label, *_ in self._plans}
         for job in pending:
             per_label[job.label] = per_label.get(job.label, 0.0) + job.seconds
         compiled = {}
-        for label, plan, bound in self._plans:
-            calls = tuple(
-                CompiledCall(
-                    name=call.stage.name,
-                    executable=job.executable,
-                    direct=job.direct,
-                    inputs=call.inputs,
-                    outputs=call.outputs,
-                    meta=meta,
-                    param_leaves=self._bound_leaves(job, call),
-                )
-                for job, call, meta in bound
-            )
-            input_specs, meta_specs = self._specs[label]
-            compiled[label] = CompiledPlan(plan=plan, label=label, calls=calls,
-                                           input_specs=input_specs, meta_specs=meta_specs,
-                                           meta_sharding=self._replicated,
-                                           blocking=self._blocking)
+        for label, plan, bound, copies in self._plans:
+            leaves = [self._bound_leaves(job, call) for job, call, _ in bound]
+            versions = [self._compiled_plan(label, plan, bound, leaves, copy)
+                        for copy in range(copies)]
+            compiled[label] = dataclasses.replace(versions[0], copies=tuple(versions[1:]))
         summary = CompileSummary(
             num_executables=len(self._jobs),
-            num_calls=sum(len(bound) for _, _, bound in self._plans),
+            num_calls=sum(len(bound) for _, _, bound, _ in self._plans),
             seconds_per_label=per_label,
             total_seconds=time.perf_counter() - start,
             num_loaded=sum(job.loaded for job in pending),

@@ -24,6 +24,9 @@
   decode step's caches) uses, with no name lookups or dicts on the way.
 * Donated inputs are consumed (their buffers become the outputs); the caller must not reuse
   arrays it passed as donated plan inputs.
+* ``copies`` (``PlanCompiler.add(copies=n)``) are the same plan bound to further loaded
+  copies of its executables: same programs and results, each with its own runtime state (on a
+  GPU, its command buffers; see ``graph/compile.py``).
 * ``run_eager`` executes the same plan op by op with no compile of the plan (plain JAX): it is
   the reference the compiled replay must match, and the fallback for shapes with no bucket.
 """
@@ -123,6 +126,7 @@ class CompiledPlan:
     meta_specs: Mapping[str, Any]  # break name -> ShapeDtypeStruct pytree
     meta_sharding: Any = None  # sharded plans: where metadata (and unplaced inputs) go
     blocking: bool = False  # wait for each call (sharded plans on the CPU; module docstring)
+    copies: tuple[CompiledPlan, ...] = ()  # the same plan on further loaded executables
 
     def _placed(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         placed = dict(inputs)

@@ -28,11 +28,11 @@ Invariants:
   writes its unnormalised sums and base-2 running maximum, merged by ``merge_splits``.
 * Scores and softmax run in float32 (exact dots for fp32 caches): the arithmetic of
   ``attention_ref.masked_attention``, up to summation order.
-* The kernel takes q, k and v as one array ``[B, Hkv, group + 2, Dh]`` (a KV head's queries,
-  then its key, then its value), and with RoPE tables it rotates q and k itself: XLA then builds
-  a layer's operands with one concatenation of its merged q/k/v projection, where separate
-  operands and XLA's rope had cost a copy each and two rope fusions (13 kernels per SmolLM2
-  decode layer before, 11 after, on an H200).
+* The kernel takes q, k and v as one array ``[B, Hq + 2 * Hkv, Dh]`` (the query heads, then the
+  keys, then the values: the order of XLA's merged q/k/v projection, which it then hands over
+  without a copy), and with RoPE tables it rotates q and k itself. Separate operands and XLA's
+  rope had cost a copy each and two rope fusions; operands grouped by KV head, one
+  concatenation (13, then 11, now 10 kernels per SmolLM2 decode layer on an H200).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ FILL_PROGRAMS = 128
 def _decode_kernel(
     positions_ref,  # i32[B]
     page_tables_ref,  # i32[B, P], P a multiple of pages_per_block
-    qkv_ref,  # [B, Hkv, group + 2, Dh]: per KV head its group's queries, then its key and value
+    qkv_ref,  # [B, Hq + 2 * Hkv, Dh]: the query heads, then the keys, then the values
     k_pages_ref,  # [num_pages, page_size, Dh]: this program's KV head, aliased with k_out_ref
     v_pages_ref,  # [num_pages, page_size, Dh]
     *refs,  # with rotary: cos, sin [B, Dh] fp32; then the results: splits == 1: o [B, Hq, Dh],
@@ -87,21 +87,23 @@ def _decode_kernel(
     request, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
     head_dim = qkv_ref.shape[-1]
+    num_kv_heads = qkv_ref.shape[1] // (group + 2)
+    key_row = num_kv_heads * group + kv_head  # this KV head's key; its value num_kv_heads on
     page_size = k_pages_ref.shape[1]
     block_k = pages_per_block * page_size
     position = positions_ref[request]
     cached = jnp.maximum(position, 0)  # keys 0..position-1 come from the pages
     in_group = jnp.minimum(lax.iota(jnp.int32, block_h), group - 1)
     heads = kv_head * group + in_group  # the query heads, as the output numbers them
-    q = qkv_ref[request, kv_head, in_group, :]  # [block_h, Dh]
-    k_new = qkv_ref[request, kv_head, group, :]
-    v_new = qkv_ref[request, kv_head, group + 1, :]
+    q = qkv_ref[request, heads, :]  # [block_h, Dh]
+    k_new = qkv_ref[request, key_row, :]
+    v_new = qkv_ref[request, key_row + num_kv_heads, :]
     if rotary:
         partner = swapped_features(head_dim)
         cos, sin = cos_ref[request, :], sin_ref[request, :]
-        q = rotate_with(q, qkv_ref[request, kv_head, in_group[:, None], partner[None, :]],
+        q = rotate_with(q, qkv_ref[request, heads[:, None], partner[None, :]],
                         cos[None, :], sin[None, :])
-        k_new = rotate_with(k_new, qkv_ref[request, kv_head, group, partner], cos, sin)
+        k_new = rotate_with(k_new, qkv_ref[request, key_row, partner], cos, sin)
 
     takes_new = (split == 0) & (position >= 0)
     new_score = jnp.sum(q.astype(f32) * k_new.astype(f32)[None, :], axis=1) * (scale * LOG2E)
@@ -174,8 +176,9 @@ def fused_paged_decode(
     """(attention [B, Hq, Dh], k_pages, v_pages): the step's K/V written at each request's
     position and its query over positions 0..position, in one Pallas call (pages in place).
     With ``rotary`` tables (``kernels.rotary``), q and k come unrotated and the kernel rotates
-    them. The kernel reads q, k and v as one array grouped by KV head (one concatenation in XLA,
-    where three separate operands would each be copied out of a merged projection)."""
+    them. The kernel reads q, k and v as one array in that order, flattened per row before they
+    are joined, so XLA recognises the join of its merged projection's slices and copies nothing
+    (joined along the head axis, or grouped by KV head, it cost a concatenation kernel)."""
     interpret = pallas_backend.resolve_interpret(interpret)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -202,8 +205,8 @@ def fused_paged_decode(
                                pages_per_block=pages_per_block, splits=splits,
                                rotary=rotary is not None, precision=precision)
     rotary = () if rotary is None else tuple(table.astype(jnp.float32) for table in rotary)
-    grouped = jnp.concatenate([q.reshape(batch, num_kv_heads, group, head_dim), k[:, :, None],
-                               v[:, :, None]], axis=2)
+    qkv = jnp.concatenate([x.reshape(batch, -1) for x in (q, k, v)], axis=1)
+    qkv = qkv.reshape(batch, -1, head_dim)
     *out, k_pages, v_pages = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
@@ -216,7 +219,7 @@ def fused_paged_decode(
                                                        num_stages=num_stages),
         interpret=interpret,
         name="fused_paged_decode",
-    )(positions.astype(jnp.int32), tables, grouped, k_pages, v_pages, *rotary)
+    )(positions.astype(jnp.int32), tables, qkv, k_pages, v_pages, *rotary)
     attention = out[0] if splits == 1 else merge_splits(*out).astype(q.dtype)
     return attention, k_pages, v_pages
 
