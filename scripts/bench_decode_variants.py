@@ -10,10 +10,10 @@ round, for every batch, each variant in turn times a whole step (median of 20) a
 60 steps that run ahead (``bench_graph.run_ahead_steps``). Prints, per batch and variant, the
 median over rounds and the min-max spread, in ms. ``VARIANTS`` names what can be compared: XLA
 compiler options (``EngineConfig.xla_compiler_options``), the fused decode kernel's knobs
-(most key splits, pages per key block; None = JAX's paged-attention op) and
+(most key splits, pages per key block; None = JAX's paged-attention op),
 ``EngineConfig.stack_decode_weights`` and ``alternate_decode_executables`` (None = auto):
-each variant is the keyword arguments it gives ``bench_graph.decode_runner``. Each variant compiles
-its own executables (the options are part of the cache key).
+each variant is the keyword arguments it gives ``bench_graph.decode_runner``. Each variant
+compiles its own executables (the options are part of the cache key).
 """
 
 from __future__ import annotations

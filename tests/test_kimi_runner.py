@@ -34,8 +34,8 @@ CONFIG = EngineConfig(
 
 def test_llama_only_settings_are_logged_as_ignored(caplog):
     """``inline_prefill_attention``, ``fused_decode_attention``, ``stack_decode_weights`` and
-    ``alternate_decode_executables`` name Llama-family routes: the Kimi runner says it ignores each when set away from its default,
-    and says nothing at the defaults."""
+    ``alternate_decode_executables`` name Llama-family routes: the Kimi runner says it ignores
+    each when set away from its default, and says nothing at the defaults."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
 
     def warnings(config):
