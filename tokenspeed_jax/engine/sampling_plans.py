@@ -54,8 +54,7 @@ def settings_rows(requests: Sequence[StepRequest]) -> list[tuple[SamplingParams,
 
 def sampling_arrays(requests: Sequence[StepRequest], rows: int) -> SamplingArrays:
     """The sampling settings of ``requests`` as arrays padded (greedy) to ``rows``."""
-    return SamplingArrays.from_params(
-        settings_rows(requests), pad_to=rows)
+    return SamplingArrays.from_params(settings_rows(requests), pad_to=rows)
 
 
 def write_sampling_fields(fields: Mapping[str, np.ndarray],
