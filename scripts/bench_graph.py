@@ -266,13 +266,14 @@ def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[
     rows = []
     for batch in batches:
         requests = decode_requests(batch, context)
-        plan, meta = runner.decode_inputs(requests)
+        slot, meta = runner.decode_inputs(requests)
         leaves = jax.tree_util.tree_leaves(meta)
 
-        def run_plan(meta=meta, plan=plan):
-            out = plan.run({**runner.kv_caches(), "board": runner.board}, meta)
+        def run_plan(meta=meta, slot=slot):
+            out = slot.plan.run({**runner.kv_caches(), "board": runner.board,
+                                 "sampled": slot.sampled}, meta)
             runner.store_kv_caches(out)
-            runner.board = out["board"]
+            runner.board, slot.sampled = out["board"], out["sampled"]
             return out
 
         enqueue, wait = [], []

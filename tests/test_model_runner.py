@@ -142,7 +142,7 @@ def test_buckets_come_from_the_config(runner):
     assert runner.buckets.prefill_requests == (1, 2)
     assert runner.buckets.decode_requests == (1, 2)
     # one request decodes on the two-row executable: a padding row keeps the GEMMs two rows tall
-    assert runner.buckets.decode_executables == (2,) == tuple(runner._decode_steps)
+    assert runner.buckets.decode_executables == (2,) == tuple(runner._decode_turns)
     assert [runner.buckets.decode_rows(n) for n in (1, 2)] == [2, 2]
 
 
@@ -301,13 +301,15 @@ def test_kv_cache_is_donated_not_copied(runner):
 def test_batch_one_decode_updates_the_cache_in_place(runner):
     """A one-row KV write must stay an in-place scatter: XLA turns a one-row scatter into a
     dynamic-update-slice plus whole-cache copies, which made batch-1 decode 10x slower. The token
-    board is donated too, so a step's buffers keep their addresses from step to step."""
-    decode = runner._decode_steps[2][0].calls[0].executable
+    board and the turn's sampled-rows buffer are donated too, so a step's buffers keep their
+    addresses from step to step."""
+    slot = runner._decode_turns[2].slots[0]
+    decode = slot.plan.calls[0].executable
     cache = runner.k_pages[0]
     cache_bytes = cache.size * cache.dtype.itemsize
     all_caches = 2 * runner.num_layers * cache_bytes
     analysis = decode.memory_analysis()
-    assert analysis.alias_size_in_bytes >= all_caches + runner.board.nbytes
+    assert analysis.alias_size_in_bytes >= all_caches + runner.board.nbytes + slot.sampled.nbytes
     assert analysis.temp_size_in_bytes < all_caches  # copies would need at least this much
 
 
@@ -558,7 +560,7 @@ def test_inline_prefill_attention_matches_reference(model):
 
 
 def decode_argument_count(runner) -> int:
-    (call,) = runner._decode_steps[2][0].calls
+    (call,) = runner._decode_turns[2].slots[0].plan.calls
     return len(call.inputs) + 1 + len(call.param_leaves)  # + the packed metadata
 
 
@@ -600,16 +602,24 @@ def test_auto_settings_follow_platform_and_layer_weight_size(setting):
     assert not rule(EngineConfig(**{setting: False}), small, "gpu")
 
 
+def buffer_addresses(runner) -> list[int]:
+    """Where the decode step's donated buffers lie: board, each turn's sampled rows, caches."""
+    buffers = [runner.board, *(slot.sampled for slot in runner._decode_turns[2].slots),
+               *runner.k_pages, *runner.v_pages]
+    return [b.unsafe_buffer_pointer() for b in buffers]
+
+
 def test_decode_copies_take_turns_and_run_ahead_like_the_reference(model):
     """With ``alternate_decode_executables`` a decode bucket holds two loaded copies of its
     executable and successive steps take turns; tokens that run ahead on the board, from one copy
-    into the other, match the reference forward, and so do the K/V pages."""
+    into the other, match the reference forward, and so do the K/V pages. Every buffer the steps
+    donate (board, each turn's sampled rows, caches) stays where the turns' first steps left it."""
     config = dataclasses.replace(ENGINE, alternate_decode_executables=True)
     this = ModelRunner(model, config, 64, PAGE)
     this.compile_all()
     try:
-        first, second = this._decode_steps[2]
-        assert first.calls[0].executable is not second.calls[0].executable
+        first, second = this._decode_turns[2].slots
+        assert first.plan.calls[0].executable is not second.plan.calls[0].executable
         prompt_list = prompts(17, 9, 4)
         pages = Pages()
         tables = [pages.take(len(p) + 8) for p in prompt_list]
@@ -621,6 +631,7 @@ def test_decode_copies_take_turns_and_run_ahead_like_the_reference(model):
         seqs = [[*p, int(token)] for p, token in zip(prompt_list, out.token_ids)]
         pending = this.launch(StepBatch([request(str(i), [s[-1]], len(s) - 1, t)
                                          for i, (s, t) in enumerate(zip(seqs, tables))]))
+        addresses = buffer_addresses(this)  # both turns have run once
         for launches_left in range(5, -1, -1):
             following = this.launch(StepBatch([
                 dataclasses.replace(request(str(i), [0], len(s), t), token_row=i)
@@ -630,10 +641,34 @@ def test_decode_copies_take_turns_and_run_ahead_like_the_reference(model):
                 check(model, this, out.token_ids[i], out.logprobs[i], seq, tables[i])
                 seq.append(int(out.token_ids[i]))
             pending = following
+            assert buffer_addresses(this) == addresses
         assert this.stats()["decode_graph_runs"] == 6
         assert this.stats()["runtime_compiles"] == 0
     finally:
         this.guard.disarm()
+
+
+def test_a_decode_turn_fetches_unread_tokens_before_reusing_its_buffer(model, runner):
+    """Three decode steps launched before any is fetched: the third takes the first one's turn
+    and donates its sampled-rows buffer, so the first step's tokens are fetched before that; all
+    three give the reference forward's tokens."""
+    prompt_list = prompts(23, 9, 5)
+    pages = Pages()
+    tables = [pages.take(len(p) + 4) for p in prompt_list]
+    out = runner.step(StepBatch([request(str(i), p, 0, t)
+                                 for i, (p, t) in enumerate(zip(prompt_list, tables))]))
+    seqs = [[*p, int(token)] for p, token in zip(prompt_list, out.token_ids)]
+    launched = [runner.launch(StepBatch([request(str(i), [s[-1]], len(s) - 1, t)
+                                         for i, (s, t) in enumerate(zip(seqs, tables))]))]
+    for step in range(2):
+        launched.append(runner.launch(StepBatch([
+            dataclasses.replace(request(str(i), [0], len(s) + step, t), token_row=i)
+            for i, (s, t) in enumerate(zip(seqs, tables))])))
+    for pending in launched:
+        out = pending.result()
+        for i, seq in enumerate(seqs):
+            check(model, runner, out.token_ids[i], out.logprobs[i], seq, tables[i])
+            seq.append(int(out.token_ids[i]))
 
 
 def test_decode_copies_are_auto_on_one_gpu_only():
@@ -647,7 +682,8 @@ def test_decode_copies_are_auto_on_one_gpu_only():
 
 def test_default_runner_on_the_cpu_is_segmented_with_per_layer_weights(runner):
     assert not runner.inline_prefill and runner.stacked_layers is None
-    assert not runner.alternate_decode and len(runner._decode_steps[2]) == 1
+    first, second = runner._decode_turns[2].slots
+    assert not runner.alternate_decode and first.plan is second.plan
     assert len(runner.encoder_plan.calls) == 2 * CONFIG.num_hidden_layers + 1
     with pytest.raises(ValueError, match="stack_decode_weights"):
         EngineConfig(stack_decode_weights=True, tensor_parallel_size=2)

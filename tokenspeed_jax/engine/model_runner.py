@@ -14,11 +14,12 @@ Routes, chosen per step from static configuration and the step's sizes:
   layer weight stacked over the layers, a start-up copy, so its argument count does not grow
   with depth: on a GPU each argument costs host time at every call. The inline prefill encoder
   keeps one argument per layer weight: stacked, its larger products ran 5-8% slower.
-  With ``alternate_decode_executables`` (auto on one GPU) each decode bucket's executable is
-  loaded twice (``PlanCompiler.add(copies=2)``) and successive decode steps take turns: the token
-  board and the caches are donated (fixed addresses), and the metadata and outputs come from a
-  two-deep cycle, so each copy's command buffer sees the same addresses at every call and is
-  never re-recorded (re-recording took about 200 us a SmolLM2 step on an H200).
+  Successive decode steps of a bucket take its two *turns* (``decode_turns``), each writing its
+  sampled rows into a buffer of its own, donated like the caches and the board. With
+  ``alternate_decode_executables`` (auto on one GPU) each turn runs its own loaded copy of the
+  bucket's executable (``PlanCompiler.add(copies=2)``), so each copy's command buffer sees the
+  same addresses at every call and is never re-recorded (re-recording took about 200 us a
+  SmolLM2 step on an H200).
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (on a
   GPU the fused kernel that also writes the step's K/V, or with ``fused_decode_attention`` off
   the Pallas op), so its cost follows the live context, not ``max_model_len``.
@@ -75,6 +76,7 @@ from flax import nnx
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -329,8 +331,7 @@ class ModelRunner:
         self._encoders: dict[int, CompiledPlan] = {}
         self._narrowers: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
-        self._decode_steps: dict[int, tuple[CompiledPlan, ...]] = {}  # the copies, in turn
-        self._decode_turn = 0
+        self._decode_turns: dict[int, DecodeTurns] = {}
         self._decode_builders: dict[int, PackedBuilder] = {}
         self.resampler = Resampler(self.model_config.vocab_size)
         self.compiled = False
@@ -385,12 +386,13 @@ class ModelRunner:
     def _decode_step(self, params: Any, packed: Packed, *values: jax.Array) -> tuple:
         """One decode step: the in-step sampler's rows, the logits (for ``resample``), the token
         board, caches. A row with ``token_rows >= 0`` reads its input token from the board the
-        previous decode step wrote."""
+        previous decode step wrote. The last value (the turn's sampled-rows buffer) is not read:
+        it is donated so that the sampled rows are written into it."""
         outer_state, layer_states = params
         if self.stacked_layers is not None:
             layer_states = unstack_layer_states(layer_states, self.num_layers)
         meta = packed.unpack()
-        *caches, board = values
+        *caches, board, _ = values
         positions, slots = meta["positions"], meta["slot_mapping"]
         rotary = self._layer(layer_states[0]).rotary_tables(positions)  # every layer's
 
@@ -473,12 +475,11 @@ class ModelRunner:
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
                                  ("sampled", "logits"))
         decoded = ("sampled", "logits", "board", *caches)
-        decode = Break("decode", self._decode_step, (*caches, "board"), decoded,
-                       donate=(*caches, "board"))
+        carried = (*caches, "board", "sampled")
+        decode = Break("decode", self._decode_step, carried, decoded, donate=carried)
         layers = (tuple(self.layer_states) if self.stacked_layers is None
                   else self.stacked_layers)
-        self.decode_plan = Plan([Call(decode, (self.outer_state, layers))],
-                                (*caches, "board"), decoded)
+        self.decode_plan = Plan([Call(decode, (self.outer_state, layers))], carried, decoded)
 
     # ----------------------------------------------------------------- start-up compile
 
@@ -630,7 +631,8 @@ class ModelRunner:
         for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
             compiler.add(f"decode B={rows}", self.decode_plan,
-                         {**caches, "board": abstract(self.board)}, meta, shardings,
+                         {**caches, "board": abstract(self.board),
+                          "sampled": sampled_buffer_spec(rows)}, meta, shardings,
                          copies=2 if self.alternate_decode else 1)
         self.resampler.add(compiler, [*self.buckets.prefill_requests,
                                       *self.buckets.decode_executables])
@@ -640,9 +642,9 @@ class ModelRunner:
             key = tuple(int(s.split("=")[1]) for s in sizes)
             table = {"prefill": self._encoders, "narrow": self._narrowers,
                      "head": self._decoders,
-                     "decode": self._decode_steps}[kind]
+                     "decode": self._decode_turns}[kind]
             if kind == "decode":
-                plan = (plan, *plan.copies)
+                plan = DecodeTurns((plan, *plan.copies), key[0])
             table[key if len(key) > 1 else key[0]] = plan
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
@@ -669,7 +671,8 @@ class ModelRunner:
         if (self.buckets.decode_requests and batch.is_decode
                 and len(requests) <= self.buckets.decode_requests[-1]
                 and can_stay_on_board(requests)):
-            return pending_decode(self._decode(requests)[0]["sampled"], len(requests))
+            out, _, slot = self._decode(requests)
+            return slot.hold(pending_decode(out["sampled"], len(requests)))
         check_no_token_rows(requests)
         return PendingStep.done(run_step(requests, self._run, counters=self.counters,
                                          split_mixed=bool(self.buckets.decode_requests)))
@@ -720,32 +723,29 @@ class ModelRunner:
         """The packed metadata of the head plan: the in-step sampler's settings."""
         return {"head": Packed.of(sampling_fields(sampling_arrays(sampled, rows)))}
 
-    def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[CompiledPlan, dict]:
-        """The compiled decode step for ``requests`` (at most the largest decode bucket; the
-        bucket's copies take turns, one per call) and its host-built metadata (one packed
-        buffer)."""
+    def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[DecodeSlot, dict]:
+        """The decode turn for ``requests`` (at most the largest decode bucket; the bucket's two
+        turns alternate, one per call) and its host-built metadata (one packed buffer)."""
         rows = self.buckets.decode_rows(len(requests))
-        copies = self._decode_steps[rows]
-        self._decode_turn += 1
-        return (copies[self._decode_turn % len(copies)],
-                {"decode": self._decode_meta(requests, rows)})
+        return self._decode_turns[rows].take(), {"decode": self._decode_meta(requests, rows)}
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
-        out, rows = self._decode(requests)
+        out, rows, _ = self._decode(requests)
         return self.resampler.finish(requests, rows, out["sampled"], out["logits"])
 
-    def _decode(self, requests: list[StepRequest]) -> tuple[dict[str, jax.Array], int]:
-        """Enqueue one decode executable (keeping its caches and token board): its outputs, on
-        the device, and its rows."""
-        plan, meta = self.decode_inputs(requests)
+    def _decode(self, requests: list[StepRequest]
+                ) -> tuple[dict[str, jax.Array], int, DecodeSlot]:
+        """Enqueue one decode executable (keeping its caches, token board and sampled-rows
+        buffer): its outputs, on the device, its rows and the turn it ran in."""
+        slot, meta = self.decode_inputs(requests)
         rows = self.buckets.decode_rows(len(requests))
         self.counters["decode_graph_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
-        sampled, logits, self.board, *caches = plan.run_positional(
-            [*self.k_pages, *self.v_pages, self.board], meta)
+        slot.sampled, logits, self.board, *caches = slot.plan.run_positional(
+            [*self.k_pages, *self.v_pages, self.board, slot.sampled], meta)
         self.k_pages, self.v_pages = caches[:self.num_layers], caches[self.num_layers:]
-        return {"sampled": sampled, "logits": logits}, rows
+        return {"sampled": slot.sampled, "logits": logits}, rows, slot
 
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""

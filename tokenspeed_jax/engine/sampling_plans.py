@@ -36,6 +36,7 @@ from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, PlanCompiler, 
 from tokenspeed_jax.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
+FAST_SAMPLE_WIDTH = 2  # columns of the in-step sampler's rows: token id, log-prob bits
 SAMPLED = "sampled"
 RESAMPLE_LABELS = {False: "resample", True: "penalized-resample"}  # by ``penalized``
 
@@ -84,7 +85,7 @@ def output_counts(requests: Sequence[StepRequest], rows: int, vocab_size: int) -
 
 
 def fast_sample(sampling: SamplingArrays, logits: jax.Array) -> jax.Array:
-    """The in-step sampler: i32[rows, 2] of token id and log-prob bits."""
+    """The in-step sampler: i32[rows, FAST_SAMPLE_WIDTH] of token id and log-prob bits."""
     token_ids, logprobs = sample(logits, sampling, top_k_cap=0)
     return jnp.stack([token_ids, jax.lax.bitcast_convert_type(logprobs, jnp.int32)], axis=1)
 

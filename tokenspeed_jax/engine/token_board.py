@@ -14,11 +14,13 @@ Invariants:
   a token older than the step before it.
 * ``token_rows`` is -1 for rows that take their token from the host (and for padding rows).
 * A step left running (``pending_decode``) has its token copy queued when it is launched, so
-  the copy waits for that step only and not for a step launched after it.
+  the copy waits for that step only and not for a step launched after it; its ``result()``
+  fetches once, so the device buffer may be reused after it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -69,6 +71,8 @@ def check_no_token_rows(requests: Sequence[StepRequest]) -> None:
 
 
 def pending_decode(sampled: jax.Array, count: int) -> PendingStep:
-    """A launched decode step of ``count`` requests whose sampler rows are ``sampled``."""
+    """A launched decode step of ``count`` requests whose sampler rows are ``sampled``; its
+    ``result()`` fetches them once (later calls return the same output)."""
     sampled.copy_to_host_async()
-    return PendingStep(lambda: step_output([fetch_sampled(sampled, count)]), on_board=True)
+    return PendingStep(functools.cache(lambda: step_output([fetch_sampled(sampled, count)])),
+                       on_board=True)
