@@ -219,12 +219,13 @@ def prefill_stages(lengths, calls=10):
 
     @jax.jit
     def to_chunks(q, k, v, g, beta):
-        token_of_row, first_chunk, _ = kda._chunk_layout(cu, num_tokens, num_chunks)
+        token_of_row, first_chunk = kda._chunk_layout(cu, num_tokens, num_chunks)
         return [q, k, v, g, kda._to_chunks(beta, token_of_row), token_of_row], first_chunk
 
     intra = jax.jit(functools.partial(kda.intra_stage, group=1, scale=K**-0.5, normalize_qk=True,
                                       config=config, interpret=False))
-    scan = jax.jit(functools.partial(kda.scan_stage, out_dtype=jnp.bfloat16, config=config,
+    scan = jax.jit(functools.partial(kda.scan_stage, num_tokens=num_tokens,
+                                     out_dtype=jnp.bfloat16, config=config,
                                      interpret=False))
     chunks, first_chunk = to_chunks(q, k, v, g, beta)
     intra_out = intra(*chunks, first_chunk[-1])

@@ -8,7 +8,8 @@ rule). Prefill runs in two stages over 64-token chunks:
    builds the strictly lower key-key matrix L and the causal query-key matrix, inverts (I + L),
    and writes w, u, decayed q and k and the query-key matrix.
 2. `scan_stage` (`_state_scan_kernel`), one program per (request, value head, block of V): walks
-   the request's chunks in order, carrying the [K, block_v] fp32 state, and writes the output.
+   the request's chunks in order, carrying the [K, block_v] fp32 state, and writes the output
+   rows straight to their tokens.
 
 Invariants:
 - Inputs are packed ([T, ...], fla's `cu_seqlens` layout with B squeezed) and all shapes are
@@ -25,6 +26,10 @@ Invariants:
   stores nothing. The scan runs the request in two
   loops, main up to the checkpoint's chunk and tail to the end, in one call; a request without a
   checkpoint has an empty main loop and no extra store.
+- The scan stores a chunk's output as one window of C token rows inside [0, T), masked to the
+  chunk's tokens: a window that would pass T starts earlier (at T - C) and its rows are computed
+  from query rows read as far back, so every store and every load stays in bounds (T is padded to
+  C when smaller). Rows of tokens past cu_seqlens[-1] are zeroed by the last request's programs.
 - Numerics: decays are formed as exp of differences of in-chunk cumulative log gates, always with
   a non-positive exponent (g <= 0), so strong decay underflows to 0 and never overflows.
 
@@ -87,15 +92,16 @@ class ChunkConfig:
 
 
 def _state_scan_kernel(
-    table_ref,  # [N, 5] int32: chunk begin, checkpoint chunk, chunk end, slot, checkpoint slot
-    qg_ref,  # [HV, NC, C, K]
+    table_ref,  # [N, 7] int32: chunk begin, checkpoint chunk, chunk end, slot, checkpoint slot,
+                # first token, end token
+    qg_ref,  # [HV, NC * C, K]: chunk rows
     w_ref,  # [HV, NC, C, K]
     kg_ref,  # [HV, NC, C, K]
     u_ref,  # [HV, NC, C, V]
-    aqk_ref,  # [HV, NC, C, C]
+    aqk_ref,  # [HV, NC * C, C]: chunk rows
     glast_ref,  # [HV, NC, K] fp32, each chunk's total log decay
     pool_ref,  # [P, HV, K, V] fp32, aliased with pool_out_ref
-    o_ref,  # [NC, C, HV, V]: token rows in chunk order, heads inside each row
+    o_ref,  # [T, HV, V]: token rows
     pool_out_ref,  # [P, HV, K, V] fp32
     *,
     block_v: int,
@@ -104,9 +110,12 @@ def _state_scan_kernel(
     n, head, v_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     chunk_begin, chunk_ckpt, chunk_end = table_ref[n, 0], table_ref[n, 1], table_ref[n, 2]
     slot, ckpt_slot = table_ref[n, 3], table_ref[n, 4]
+    token_begin, token_end = table_ref[n, 5], table_ref[n, 6]
     head_k = qg_ref.shape[-1]
+    num_tokens, chunk = o_ref.shape[0], w_ref.shape[2]
     cols = pl.ds(v_block * block_v, block_v)
     dot_dtype = w_ref.dtype
+    row = lax.broadcasted_iota(jnp.int32, (chunk, block_v), 0)
 
     state = lax.cond(
         slot >= 0,
@@ -119,9 +128,14 @@ def _state_scan_kernel(
         v_new = u_ref[head, c, :, cols].astype(jnp.float32) - dot(w_ref[head, c], state_in,
                                                                    precision)
         v_new_in = v_new.astype(dot_dtype)
-        out = dot(qg_ref[head, c], state_in, precision) + dot(aqk_ref[head, c], v_new_in,
-                                                                  precision)
-        o_ref[c, :, head, cols] = out.astype(o_ref.dtype)
+        first = token_begin + (c - chunk_begin) * chunk
+        window = jnp.minimum(first, num_tokens - chunk)  # a window of rows inside [0, T)
+        query_rows = pl.ds(c * chunk - (first - window), chunk)  # the window's chunk rows
+        out = dot(qg_ref[head, query_rows], state_in, precision) + dot(
+            aqk_ref[head, query_rows], v_new_in, precision)
+        token = window + row
+        pallas_backend.masked_store(o_ref.at[pl.ds(window, chunk), head, cols],
+                                    out.astype(o_ref.dtype), (token >= first) & (token < token_end))
         chunk_decay = jnp.exp(glast_ref[head, c, :])
         return state * chunk_decay[:, None] + dot_tn(kg_ref[head, c], v_new_in, precision)
 
@@ -136,6 +150,17 @@ def _state_scan_kernel(
     @pl.when(slot >= 0)
     def _():
         pool_out_ref[slot, head, :, cols] = state
+
+    @pl.when(n == pl.num_programs(0) - 1)
+    def _():
+        def zero_rows(block, carry):
+            window = jnp.minimum(token_end + block * chunk, num_tokens - chunk)
+            pallas_backend.masked_store(o_ref.at[pl.ds(window, chunk), head, cols],
+                                        jnp.zeros((chunk, block_v), o_ref.dtype),
+                                        window + row >= token_end)
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(num_tokens - token_end, chunk), zero_rows, 0)
 
 
 def scan_blocking(num_requests: int, value_heads: int, V: int, dot_dtype,
@@ -177,8 +202,9 @@ def _full_depth(block_v: int) -> int:
 
 
 def _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots):
-    """[N, 5] int32 per request: chunk begin, checkpoint chunk, chunk end, slot, checkpoint slot
-    (checkpoint chunk = chunk begin and checkpoint slot = -1 where there is none)."""
+    """[N, 7] int32 per request: chunk begin, checkpoint chunk, chunk end, slot, checkpoint slot
+    (checkpoint chunk = chunk begin and checkpoint slot = -1 where there is none), first token,
+    end token."""
     num_requests = slots.shape[0]
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     ckpt_chunk, ckpt_slot = first_chunk[:-1], jnp.full((num_requests,), -1, jnp.int32)
@@ -189,35 +215,39 @@ def _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoin
                                first_chunk[:-1])
         ckpt_slot = jnp.where(has_ckpt, checkpoint_slots.astype(jnp.int32), -1)
     return jnp.stack(
-        [first_chunk[:-1], ckpt_chunk, first_chunk[1:], slots.astype(jnp.int32), ckpt_slot],
+        [first_chunk[:-1], ckpt_chunk, first_chunk[1:], slots.astype(jnp.int32), ckpt_slot,
+         cu_seqlens[:-1], cu_seqlens[1:]],
         axis=1,
     )
 
 
-def scan_stage(table, qg, w, kg, u, aqk, glast, state_pool, *, out_dtype, config: ChunkConfig,
-               interpret: bool):
-    """The sequential state scan over the per-chunk outputs: returns (o [NC, C, HV, V] in
-    out_dtype, updated pool)."""
+def scan_stage(table, qg, w, kg, u, aqk, glast, state_pool, *, num_tokens: int, out_dtype,
+               config: ChunkConfig, interpret: bool):
+    """The sequential state scan over the per-chunk outputs: returns (o [num_tokens, HV, V] in
+    out_dtype, zero past the table's last end token; updated pool)."""
     HV, num_chunks, C, V = u.shape
     block_v, num_stages = scan_blocking(table.shape[0], HV, V, u.dtype, config)
     precision = lax.Precision.HIGHEST if u.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return pl.pallas_call(
+    padded_tokens = max(num_tokens, C)  # the kernel's windows are C rows
+    o, state_pool = pl.pallas_call(
         functools.partial(_state_scan_kernel, block_v=block_v, precision=precision),
         grid=(table.shape[0], HV, V // block_v),
-        out_shape=[jax.ShapeDtypeStruct((num_chunks, C, HV, V), out_dtype),
+        out_shape=[jax.ShapeDtypeStruct((padded_tokens, HV, V), out_dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
         input_output_aliases={7: 1},
         compiler_params=pallas_backend.compiler_params(
             num_warps=config.scan_num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_state_scan",
-    )(table, qg, w, kg, u, aqk, glast, state_pool)
+    )(table, qg.reshape(HV, num_chunks * C, -1), w, kg, u, aqk.reshape(HV, num_chunks * C, C),
+      glast, state_pool)
+    return o[:num_tokens], state_pool
 
 
 
 def _chunk_layout(cu_seqlens, num_tokens: int, num_chunks: int):
-    """Where each chunk row comes from: token indices [NC, C] (num_tokens marks padding), the
-    first chunk of each request [N + 1], and for each token its row in the chunked layout [T]."""
+    """Where each chunk row comes from: token indices [NC, C] (num_tokens marks padding), and the
+    first chunk of each request [N + 1]."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     first_chunk = jnp.concatenate(
         [jnp.zeros((1,), jnp.int32), jnp.cumsum((lengths + CHUNK_SIZE - 1) // CHUNK_SIZE)]
@@ -228,13 +258,7 @@ def _chunk_layout(cu_seqlens, num_tokens: int, num_chunks: int):
     local = (chunk - first_chunk[owner])[:, None] * CHUNK_SIZE + jnp.arange(CHUNK_SIZE)[None, :]
     real = (chunk < first_chunk[-1])[:, None] & (local < lengths[owner][:, None])
     token_of_row = jnp.where(real, cu_seqlens[owner][:, None] + local, num_tokens)
-
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    request = jnp.minimum(jnp.searchsorted(cu_seqlens[1:], token, side="right"), num_requests - 1)
-    offset = token - cu_seqlens[request]
-    row_of_token = (first_chunk[request] + offset // CHUNK_SIZE) * CHUNK_SIZE + offset % CHUNK_SIZE
-    row_of_token = jnp.where(token < cu_seqlens[-1], row_of_token, num_chunks * CHUNK_SIZE)
-    return token_of_row, first_chunk, row_of_token
+    return token_of_row, first_chunk
 
 
 def _to_chunks(x, token_of_row):
@@ -276,7 +300,7 @@ def chunk_kda_prefill(
     Returns (o [T, HV, V] in v's dtype, updated pool). Tokens past cu_seqlens[-1] get zeros.
     """
     interpret = pallas_backend.resolve_interpret(interpret)
-    T, H, K, HV, V, num_requests = check_pool_call(
+    T, H, K, HV, _, num_requests = check_pool_call(
         q, k, v, g, beta, state_pool, slots, cu_seqlens)
     if (checkpoint_offsets is None) != (checkpoint_slots is None):
         raise ValueError("checkpoint_offsets and checkpoint_slots come together")
@@ -286,17 +310,14 @@ def chunk_kda_prefill(
     g = prepare_gate(g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias)
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     num_chunks = pl.cdiv(T, CHUNK_SIZE) + num_requests
-    token_of_row, first_chunk, row_of_token = _chunk_layout(cu_seqlens, T, num_chunks)
+    token_of_row, first_chunk = _chunk_layout(cu_seqlens, T, num_chunks)
     intra_out = intra_stage(q, k, v, g, _to_chunks(beta, token_of_row), token_of_row,
                             first_chunk[-1], group=group, scale=scale,
                             normalize_qk=use_qk_l2norm_in_kernel, config=config,
                             interpret=interpret)
     table = _request_table(cu_seqlens, first_chunk, slots, checkpoint_offsets, checkpoint_slots)
-    o_c, state_pool = scan_stage(table, *intra_out, state_pool, out_dtype=v.dtype,
-                                 config=config, interpret=interpret)
-    o_rows = o_c.reshape(num_chunks * CHUNK_SIZE, HV, V)
-    o = jnp.take(o_rows, row_of_token, axis=0, mode="fill", fill_value=0)
-    return o, state_pool
+    return scan_stage(table, *intra_out, state_pool, num_tokens=T, out_dtype=v.dtype,
+                      config=config, interpret=interpret)
 
 
 @functools.partial(

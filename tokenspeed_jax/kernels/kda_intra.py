@@ -140,14 +140,16 @@ def token_rows(ref, tokens, head: jax.Array, cols=slice(None)) -> jax.Array:
     return jnp.where((tokens < num_tokens)[:, None], rows, 0)
 
 
-def cumsum_kernel(live_ref, tokens_ref, g_ref, gc_ref):
+def cumsum_kernel(live_ref, tokens_ref, g_ref, gc_ref, glast_ref):
     """gc = the cumulative sum of the chunk's rows of g ([T, HV, K] fp32 log decay) for this
-    program's value head."""
+    program's value head, and glast = their sum (the chunk's total decay; padding rows are 0)."""
     head = pl.program_id(1)
 
     @pl.when(chunk_is_live(live_ref))
     def _():
-        gc_ref[...] = jnp.cumsum(token_rows(g_ref, tokens_ref[...], head), axis=0)
+        rows = token_rows(g_ref, tokens_ref[...], head)
+        gc_ref[...] = jnp.cumsum(rows, axis=0)
+        glast_ref[...] = jnp.sum(rows, axis=0)
 
 
 def queries_keys_kernel(live_ref, tokens_ref, q_ref, k_ref, q_c_ref, k_c_ref, *,
@@ -437,12 +439,14 @@ def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: f
     whole = pl.BlockSpec()
     live_chunks = live_chunks.astype(jnp.int32).reshape(1)
     tokens = tokens.astype(jnp.int32)
-    gc = pl.pallas_call(
+    gc, glast = pl.pallas_call(
         cumsum_kernel,
         grid=(num_chunks, HV),
         in_specs=[live_spec, tokens_spec, whole],
-        out_specs=chunk_spec(K, own_head),
-        out_shape=jax.ShapeDtypeStruct((num_chunks, C, HV, K), jnp.float32),
+        out_specs=[chunk_spec(K, own_head),
+                   pl.BlockSpec((squeezed, squeezed, K), lambda c, h, *_: (h, c, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_chunks, C, HV, K), jnp.float32),
+                   jax.ShapeDtypeStruct((HV, num_chunks, K), jnp.float32)],
         compiler_params=pallas_backend.compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kda_chunk_cumsum",
@@ -497,4 +501,4 @@ def intra_stage(q, k, v, g, beta_c, tokens, live_chunks, *, group: int, scale: f
         interpret=interpret,
         name="kda_chunk_solve",
     )(live_chunks, tokens, q_c, k_c, v, gc, beta_c, parts)
-    return qg, w, kg, u, aqk, jnp.transpose(gc[:, -1], (1, 0, 2))
+    return qg, w, kg, u, aqk, glast
