@@ -46,11 +46,6 @@ class DecodeSlot:
     sampled: jax.Array
     pending: PendingStep | None = None  # the launched step whose tokens the buffer holds
 
-    def hold(self, pending: PendingStep) -> PendingStep:
-        """Remember ``pending`` as the step whose tokens the buffer holds; returns it."""
-        self.pending = pending
-        return pending
-
 
 class DecodeTurns:
     """A decode bucket's slots, taken in turn (module docstring)."""

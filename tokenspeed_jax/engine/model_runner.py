@@ -672,7 +672,8 @@ class ModelRunner:
                 and len(requests) <= self.buckets.decode_requests[-1]
                 and can_stay_on_board(requests)):
             out, _, slot = self._decode(requests)
-            return slot.hold(pending_decode(out["sampled"], len(requests)))
+            slot.pending = pending_decode(out["sampled"], len(requests))
+            return slot.pending
         check_no_token_rows(requests)
         return PendingStep.done(run_step(requests, self._run, counters=self.counters,
                                          split_mixed=bool(self.buckets.decode_requests)))

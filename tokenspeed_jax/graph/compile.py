@@ -32,9 +32,11 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   includes the command buffers (CUDA graphs) XLA records with the addresses of an executable's
   buffers; when any address differs from the last run's, XLA re-records the graph before
   launching it (about 200 us for SmolLM2's 303-kernel decode step on an H200, whose launch
-  then appears to wait for the previous run). A step that alternates two copies, and whose
-  per-step buffers come from a two-deep cycle (metadata sent while the previous step's is still
-  in use; outputs held until the next step is launched), shows each copy fixed addresses.
+  then appears to wait for the previous run). A step that alternates two copies shows each copy
+  fixed addresses when its other buffers are donated or come from a two-deep cycle (as metadata
+  sent while the previous step's is still in use did, measured); an output held past the next
+  launch did not, and is better written into a donated buffer of each copy's own
+  (``engine/decode_turns.py``).
 * With a ``mesh`` (tensor parallelism, ``tokenspeed_jax/parallel.py``) every executable is
   compiled with explicit input and output shardings: an input spec or parameter array keeps its
   own multi-device sharding, a plan value gets the sharding ``add(shardings=...)`` names for it,
