@@ -95,6 +95,11 @@ def timed(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
+def progress(kind: str, row: dict) -> None:
+    """One measured row, printed as soon as it is known (a long run cut short keeps them)."""
+    print(f"{kind}: " + json.dumps(row), flush=True)
+
+
 def prompt_request(rid: str, tokens: int, start: int, first_page: int) -> StepRequest:
     pages = np.arange(first_page, first_page + math.ceil((start + tokens) / PAGE_SIZE),
                       dtype=np.int32)
@@ -154,6 +159,7 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
                      "whole_jit_tok_s": tokens / t_jit, "eager_tok_s": tokens / t_eager,
                      "segmented_vs_jit": t_seg / t_jit, "inline_tok_s": tokens / t_inline,
                      "inline_vs_jit": t_inline / t_jit, "full_step_ms": full_step * 1e3})
+        progress("prefill", rows[-1])
         enqueue = []
         for _ in range(iters):
             device_inputs = {**jax.device_put(inputs), **runner.kv_caches()}
@@ -244,6 +250,7 @@ def bench_decode(model, batches: list[int], context: int, iters: int,
             row[f"{prefix}step_ms"] = seconds * 1e3
             row[f"{prefix}run_ahead_step_ms"] = ahead / ahead_steps * 1e3
         rows.append(row)
+        progress("decode", row)
     assert all(runner.stats()["runtime_compiles"] == 0 for runner in runners.values())
     return rows
 

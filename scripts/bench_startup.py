@@ -35,6 +35,8 @@ Invariants:
                                         # the server's default ladders up to 2048 tokens a step
     python scripts/bench_startup.py --cases smollm2 --inline-prefill-attention
                                         # prefill encoders with attention inside
+    python scripts/bench_startup.py --cases smollm2 --compile-threads 1
+                                        # one executable compiled at a time
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
             model=args.model, prefill_graph_max_tokens=args.server_ladder,
             chunked_prefill_size=args.server_ladder, max_model_len=4096, num_pages=1024,
             page_size=PAGE_SIZE, compile_progress=False, compile_cache_dir=cache_dir,
-            dtype=_dtype(args), inline_prefill_attention=args.inline_prefill_attention)
+            dtype=_dtype(args), inline_prefill_attention=args.inline_prefill_attention,
+            compile_threads=args.compile_threads)
     if args.tiny:
         sizes = {"tokens": (16,), "prefill_bs": (1, 2), "decode": (1, 2), "max_len": 64,
                  "pages": 8}
@@ -115,7 +118,8 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
         max_num_seqs=max(sizes["decode"]), max_model_len=sizes["max_len"],
         num_pages=sizes["pages"], page_size=PAGE_SIZE, compile_progress=False,
         compile_cache_dir=cache_dir, dtype=_dtype(args),
-        inline_prefill_attention=args.inline_prefill_attention)
+        inline_prefill_attention=args.inline_prefill_attention,
+        compile_threads=args.compile_threads)
 
 
 def _engine(config):
@@ -186,7 +190,8 @@ def _kda(args: argparse.Namespace, cache_dir: str):
                                                                    requests)):
         stage = Break(name.replace(" ", "_"), fn, names, ("o", "pool"), donate=("pool",))
         plans[name] = (Plan([Call(stage)], names, ("o", "pool")), stage.name, rows)
-    compiler = PlanCompiler(progress=False, cache=ExecutableCache(cache_dir))
+    compiler = PlanCompiler(progress=False, cache=ExecutableCache(cache_dir),
+                            threads=args.compile_threads)
 
     def specs(rows: int) -> dict:
         return {"q": jax.ShapeDtypeStruct((rows, heads, dim), dtype),
@@ -275,7 +280,9 @@ def child(args: argparse.Namespace) -> None:
         "import_s": imported - start, "checkpoint_load_s": checkpoint_load_s,
         "in_process_s": ready - start, "loaded": summary.num_loaded,
         "compiled": summary.num_compiled, "load_s": summary.load_seconds,
-        "compile_s": summary.compile_seconds, "backend_compiles": len(compiles.seconds),
+        "compile_s": summary.compile_seconds,
+        "compile_wall_s": summary.compile_wall_seconds, "threads": summary.threads,
+        "backend_compiles": len(compiles.seconds),
         "plan_backend_compiles": compiles.in_plans,
         "backend_compile_s": sum(compiles.seconds)}), flush=True)
     print("DONE " + json.dumps({"outputs": run()}), flush=True)
@@ -290,6 +297,7 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
         command.append("--inline-prefill-attention" if args.inline_prefill_attention
                        else "--no-inline-prefill-attention")
     command += ["--model", str(model_dir)] * (model_dir is not None)
+    command += ["--compile-threads", str(args.compile_threads)] * bool(args.compile_threads)
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -327,17 +335,20 @@ def seconds(value: float | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    """Cold and warm start per case; the phases (import, checkpoint load, executables loaded
-    from the cache) and the compiles outside the plans are the warm start's."""
+    """Cold and warm start per case; the cold start's compile threads and the wall time of its
+    plan compiles; the phases (import, checkpoint load, executables loaded from the cache) and
+    the compiles outside the plans are the warm start's."""
     print(f"{'case':<15} {'write s':>7} {'cold s':>7} {'warm s':>7} {'warm/cold':>9} "
-          f"{'compiled':>8} {'loaded':>6} {'compiles cold/warm':>18} {'non-plan warm':>13} "
+          f"{'compiled':>8} {'threads':>7} {'compile wall s':>14} {'loaded':>6} "
+          f"{'compiles cold/warm':>18} {'non-plan warm':>13} "
           f"{'import s':>8} {'ckpt s':>6} {'exe load s':>10} {'same out':>8}")
     for row in rows:
         cold, warm = row["cold"], row["warm"]
         non_plan = warm["backend_compiles"] - warm["plan_backend_compiles"]
         print(f"{row['case']:<15} {seconds(row['checkpoint_write_s']):>7} "
               f"{cold['ready_s']:7.1f} {warm['ready_s']:7.1f} {row['warm_over_cold']:9.1%} "
-              f"{cold['compiled']:8d} {warm['loaded']:6d} "
+              f"{cold['compiled']:8d} {cold['threads']:7d} {cold['compile_wall_s']:14.1f} "
+              f"{warm['loaded']:6d} "
               f"{cold['backend_compiles']:>11d}/{warm['backend_compiles']:<6d} {non_plan:13d} "
               f"{warm['import_s']:8.1f} {seconds(warm['checkpoint_load_s']):>6} "
               f"{warm['load_s']:10.2f} {row['identical_outputs']!s:>8}")
@@ -356,6 +367,9 @@ def main() -> None:
     parser.add_argument("--inline-prefill-attention", action=argparse.BooleanOptionalAction,
                         help="prefill encoders with attention inside, or not (EngineConfig's "
                              "option; unset: its auto rule)")
+    parser.add_argument("--compile-threads", type=int,
+                        help="executables compiled or loaded at once (EngineConfig's "
+                             "compile_threads; unset: its auto rule)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
@@ -374,6 +388,7 @@ def main() -> None:
         meta = {"device": device.device_kind, "platform": device.platform,
                 "jax": jax.__version__, "tiny": args.tiny, "server_ladder": args.server_ladder,
                 "inline_prefill_attention": args.inline_prefill_attention,
+                "compile_threads": args.compile_threads,
                 "xla_flags": os.environ.get("XLA_FLAGS")}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import runpy
+import threading
 from pathlib import Path
 
 import jax
@@ -47,8 +48,8 @@ PLAN = Plan([Call(BLOCK, WEIGHTS[0]), Call(SCALE), Call(BLOCK, WEIGHTS[1]),
              Call(BLOCK, WEIGHTS[2])], ("x",), ("x",))
 
 
-def compile_plan(plan=PLAN, buckets=BUCKETS):
-    compiler = PlanCompiler(progress=False)
+def compile_plan(plan=PLAN, buckets=BUCKETS, threads=None):
+    compiler = PlanCompiler(progress=False, threads=threads)
     for size in buckets:
         compiler.add(f"rows={size}", plan, {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)},
                      {"scale": {"factor": jax.ShapeDtypeStruct((size,), jnp.float32)}})
@@ -217,6 +218,46 @@ def test_start_up_failure_names_segment_and_bucket():
     plan = Plan([Call(broken, WEIGHTS[0])], ("x",), ("x",))
     with pytest.raises(CompileError, match=r"'fragile_block'.*rows=32"):
         compile_plan(plan)
+
+
+def test_compiles_run_on_several_threads_at_once(monkeypatch):
+    """With two threads, two executables compile at the same time (each compile waits for the
+    other at a barrier; one at a time, the barrier breaks) and the plans compute the same."""
+    meeting = threading.Barrier(2, timeout=10)
+    compile_one = PlanCompiler._compile
+
+    def compile_in_pairs(self, job):
+        meeting.wait()
+        compile_one(self, job)
+
+    monkeypatch.setattr(PlanCompiler, "_compile", compile_in_pairs)
+    plans, summary = compile_plan(threads=2)
+    assert (summary.num_compiled, summary.threads) == (4, 2)
+    assert summary.compile_wall_seconds <= summary.compile_seconds
+    x = np.random.default_rng(3).normal(size=(16, WIDTH)).astype(np.float32)
+    factor = np.linspace(0.5, 1.5, 16).astype(np.float32)
+    out = plans["rows=16"].run({"x": jax.device_put(x)}, {"scale": {"factor": factor}})["x"]
+    np.testing.assert_allclose(np.asarray(out), numpy_reference(x, factor), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_failure_on_a_thread_is_fatal_and_skips_the_rest(monkeypatch):
+    """A compile failing on a worker thread stops start-up with the segment and the bucket in
+    the message, and the compiles still queued never start."""
+    started = []
+    compile_one = PlanCompiler._compile
+
+    def fail_on_rows_16(self, job):
+        started.append(job.label)
+        if job.label == "rows=16":
+            raise CompileError(f"compiling segment {job.name!r} for bucket {job.label} failed")
+        compile_one(self, job)
+
+    monkeypatch.setattr(PlanCompiler, "_compile", fail_on_rows_16)
+    with pytest.raises(CompileError, match=r"'block'.*rows=16"):
+        compile_plan(threads=1)
+    assert started == ["rows=16"]
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        PlanCompiler(threads=0)
 
 
 def test_compiler_options_reach_xla():

@@ -47,6 +47,9 @@ class EngineConfig:
     max_model_len: int = 4096
     # Show a progress bar during the start-up compile.
     compile_progress: bool = True
+    # Executables compiled (or loaded from the cache) at once at start-up; None = auto (the
+    # CPU count, at most 8).
+    compile_threads: int | None = None
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
     # One executable per prefill token bucket with attention inside, instead of segments with
@@ -134,6 +137,8 @@ class EngineConfig:
             (self.chunked_prefill_size >= 0,
              f"chunked_prefill_size must be >= 0 (0 = off), got {self.chunked_prefill_size}"),
             (self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
+            (self.compile_threads is None or self.compile_threads >= 1,
+             f"compile_threads must be None (auto) or >= 1, got {self.compile_threads}"),
             (self.overlap_schedule in OVERLAP_SCHEDULES,
              f"overlap_schedule must be one of {OVERLAP_SCHEDULES}, got {self.overlap_schedule!r}"),
             (self.prefix_granularity >= 64 and self.prefix_granularity % 64 == 0,

@@ -170,12 +170,12 @@ SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (au
 def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
                     mesh: Any) -> PlanCompiler:
     """The ``PlanCompiler`` of a runner built from ``config``: its progress bar, executable
-    cache and XLA options."""
+    cache, XLA options and threads."""
     cache_dir = config.compile_cache_path
     return PlanCompiler(progress=config.compile_progress, description=description,
                         cache=ExecutableCache(cache_dir) if cache_dir else None,
                         fingerprint=fingerprint, mesh=mesh,
-                        compiler_options=config.compiler_options)
+                        compiler_options=config.compiler_options, threads=config.compile_threads)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,14 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
 * Output shapes come from tracing (or from the cache entry, which recorded them when it was
   traced), so a plan's later calls are compiled for exactly what earlier calls produce.
 * A cache entry that cannot be used (corrupt, incompatible) is logged, recompiled and replaced;
-  the summary counts executables loaded and compiled, and the seconds each took (loads run on
-  ``LOAD_THREADS`` threads: their seconds are the wall time of the whole load).
+  the summary counts executables loaded and compiled, and the seconds each took.
+* Loads and compiles run on ``threads`` threads at once (``DEFAULT_THREADS`` unless told; both
+  run outside the GIL). Jobs are traced by ``add`` on the calling thread (a cache entry that
+  cannot be loaded: on its compile's thread), so what is compiled does not depend on the thread
+  count; a failure on any thread cancels the compiles not yet started and is raised as the same
+  ``CompileError``. Load seconds are the wall time of the whole load; a bucket's compile seconds
+  sum its executables' own compile times (threads overlap), and ``compile_wall_seconds`` is the
+  wall time of them all.
 * Every argument is kept (``keep_unused``), so an executable, sharded or not, can be called
   directly with the flat argument list (``CompiledCall.direct``), skipping
   ``Compiled.__call__``'s pytree and signature handling, its outputs wrapped by the
@@ -49,9 +55,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -70,9 +77,9 @@ from tokenspeed_jax.graph.cache import (
 from tokenspeed_jax.graph.plan import Break, Call, Plan
 from tokenspeed_jax.graph.runner import CompiledCall, CompiledPlan
 
-# Cache hits are deserialized on several threads (the load runs outside the GIL: 200 entries took
-# 2.1 s on one thread and 1.2 s on two, on a 2-core CPU); compiles stay one at a time.
-LOAD_THREADS = min(8, os.cpu_count() or 1)
+# Cache hits are deserialized, and misses compiled, on several threads (both run outside the GIL:
+# 200 entries loaded in 2.1 s on one thread and 1.2 s on two, on a 2-core CPU).
+DEFAULT_THREADS = min(8, os.cpu_count() or 1)
 
 
 class CompileError(RuntimeError):
@@ -205,11 +212,15 @@ class CompileSummary:
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     num_direct: int = 0
+    compile_wall_seconds: float = 0.0
+    threads: int = 1
 
     def describe(self) -> str:
         """One line: loaded vs compiled executables and their seconds."""
         return (f"{self.num_loaded} executables loaded from cache in {self.load_seconds:.2f}s, "
-                f"{self.num_compiled} compiled in {self.compile_seconds:.2f}s")
+                f"{self.num_compiled} compiled in {self.compile_wall_seconds:.2f}s on "
+                f"{self.threads} thread{'s' if self.threads > 1 else ''} "
+                f"({self.compile_seconds:.2f}s of compiling)")
 
     def table(self) -> str:
         rows = [f"{'bucket':<32} {'seconds':>8}"]
@@ -232,12 +243,17 @@ class PlanCompiler:
         fingerprint: str | None = None,
         mesh: Mesh | None = None,
         compiler_options: Mapping[str, str | bool] | None = None,
+        threads: int | None = None,
     ) -> None:
         """``cache``: look executables up there and store new ones. ``fingerprint``: a stable
         description of everything the stage functions read besides their arguments (needed to
         cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
         programs over it. ``compiler_options``: XLA options for every executable (module
-        docstring)."""
+        docstring). ``threads``: executables loaded or compiled at once (None:
+        ``DEFAULT_THREADS``)."""
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for {DEFAULT_THREADS}), got {threads}")
+        self.threads = DEFAULT_THREADS if threads is None else threads
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
@@ -331,9 +347,11 @@ class PlanCompiler:
         self._jobs[key] = job
         return job
 
-    def _timed_load(self, job: _Job) -> _Job:
+    @staticmethod
+    def _timed(step: Callable[[_Job], Any], job: _Job) -> _Job:
+        """Run ``step(job)``, adding its seconds to the job's."""
         t0 = time.perf_counter()
-        self._load(job)
+        step(job)
         job.seconds += time.perf_counter() - t0
         return job
 
@@ -360,6 +378,20 @@ class PlanCompiler:
                              payload, in_tree, out_tree, execution_devices=devices))
                 job.spares.append((spare, direct_call(spare, job.num_args)))
         job.seconds += time.perf_counter() - t0
+
+    def _compile_pending(self, jobs: list[_Job], bar: Any) -> None:
+        """Compile ``jobs`` on ``self.threads`` threads; the first failure cancels the rest."""
+        with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+            futures = [pool.submit(self._timed, self._compile, job) for job in jobs]
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    job = future.result()
+                    bar.set_postfix_str(f"{job.name} @ {job.label}", refresh=False)
+                    bar.update()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
 
     def _compile(self, job: _Job) -> None:
         start = time.perf_counter()
@@ -421,19 +453,16 @@ class PlanCompiler:
                    disable=not self.progress)
         hits = [job for job in pending if job.entry is not None]
         load_start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
-            for job in pool.map(self._timed_load, hits):
-                bar.set_postfix_str(f"{job.name} @ {job.label} (cached)", refresh=False)
-                bar.update()
-        load_seconds = time.perf_counter() - load_start
-        for job in pending:
-            if not job.loaded:
-                bar.set_postfix_str(f"{job.name} @ {job.label}", refresh=False)
-                t0 = time.perf_counter()
-                self._compile(job)
-                job.seconds += time.perf_counter() - t0
-                if job.entry is None:
+        with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+            for job in pool.map(functools.partial(self._timed, self._load), hits):
+                if job.loaded:
+                    bar.set_postfix_str(f"{job.name} @ {job.label} (cached)", refresh=False)
                     bar.update()
+        load_seconds = time.perf_counter() - load_start
+        compile_start = time.perf_counter()
+        self._compile_pending([job for job in pending if not job.loaded], bar)
+        compile_wall = time.perf_counter() - compile_start
+        for job in pending:
             job.direct = direct_call(job.executable, job.num_args)
         bar.close()
         for job in self._jobs.values():
@@ -458,5 +487,7 @@ class PlanCompiler:
             load_seconds=load_seconds if any(job.loaded for job in pending) else 0.0,
             compile_seconds=sum(job.seconds for job in pending if not job.loaded),
             num_direct=sum(job.direct is not None for job in self._jobs.values()),
+            compile_wall_seconds=compile_wall,
+            threads=self.threads,
         )
         return compiled, summary
