@@ -27,6 +27,7 @@ from tokenspeed_jax.graph import (
     run_eager,
     whole_forward,
 )
+from tokenspeed_jax.graph.compile import LOAD_THREADS, default_compile_threads
 
 WIDTH = 8
 BUCKETS = (16, 32)
@@ -258,6 +259,13 @@ def test_compile_failure_on_a_thread_is_fatal_and_skips_the_rest(monkeypatch):
     assert started == ["rows=16"]
     with pytest.raises(ValueError, match="threads must be >= 1"):
         PlanCompiler(threads=0)
+
+
+def test_one_compile_at_a_time_by_default_on_a_gpu_only():
+    assert default_compile_threads("gpu") == 1
+    assert default_compile_threads("cpu") == LOAD_THREADS
+    assert PlanCompiler(progress=False).threads == default_compile_threads(
+        jax.devices()[0].platform)
 
 
 def test_compiler_options_reach_xla():

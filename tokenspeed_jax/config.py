@@ -47,8 +47,8 @@ class EngineConfig:
     max_model_len: int = 4096
     # Show a progress bar during the start-up compile.
     compile_progress: bool = True
-    # Executables compiled (or loaded from the cache) at once at start-up; None = auto (the
-    # CPU count, at most 8).
+    # Executables compiled at once at start-up; None = auto: one on a GPU (XLA times candidate
+    # kernels on the device while it compiles), the CPU count up to 8 elsewhere.
     compile_threads: int | None = None
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64

@@ -16,13 +16,13 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   traced), so a plan's later calls are compiled for exactly what earlier calls produce.
 * A cache entry that cannot be used (corrupt, incompatible) is logged, recompiled and replaced;
   the summary counts executables loaded and compiled, and the seconds each took.
-* Loads and compiles run on ``threads`` threads at once (``DEFAULT_THREADS`` unless told; both
-  run outside the GIL). Jobs are traced by ``add`` on the calling thread (a cache entry that
-  cannot be loaded: on its compile's thread), so what is compiled does not depend on the thread
-  count; a failure on any thread cancels the compiles not yet started and is raised as the same
-  ``CompileError``. Load seconds are the wall time of the whole load; a bucket's compile seconds
-  sum its executables' own compile times (threads overlap), and ``compile_wall_seconds`` is the
-  wall time of them all.
+* Cache hits load on ``LOAD_THREADS`` threads; misses compile on ``threads`` threads (default:
+  ``default_compile_threads()``). Both run outside the GIL. Jobs are traced by ``add`` on the
+  calling thread (a cache entry that cannot be loaded: on its compile's thread), so what is
+  compiled does not depend on the thread count; a failure on any thread cancels the compiles not
+  yet started and is raised as the same ``CompileError``. Load seconds are the wall time of the
+  whole load; a bucket's compile seconds sum its executables' own compile times (threads
+  overlap), and ``compile_wall_seconds`` is the wall time of them all.
 * Every argument is kept (``keep_unused``), so an executable, sharded or not, can be called
   directly with the flat argument list (``CompiledCall.direct``), skipping
   ``Compiled.__call__``'s pytree and signature handling, its outputs wrapped by the
@@ -77,9 +77,19 @@ from tokenspeed_jax.graph.cache import (
 from tokenspeed_jax.graph.plan import Break, Call, Plan
 from tokenspeed_jax.graph.runner import CompiledCall, CompiledPlan
 
-# Cache hits are deserialized, and misses compiled, on several threads (both run outside the GIL:
-# 200 entries loaded in 2.1 s on one thread and 1.2 s on two, on a 2-core CPU).
-DEFAULT_THREADS = min(8, os.cpu_count() or 1)
+# Cache hits are deserialized on several threads (the load runs outside the GIL: 200 entries took
+# 2.1 s on one thread and 1.2 s on two, on a 2-core CPU; 21 SmolLM2 executables 1.42 s on one and
+# 0.31 s on eight, on an H200's host).
+LOAD_THREADS = min(8, os.cpu_count() or 1)
+
+
+def default_compile_threads(platform: str) -> int:
+    """Executables compiled at once by default on ``platform``: one on a GPU, where XLA times
+    candidate kernels on the device while it compiles (eight at once took a cold SmolLM2
+    start-up from 141 s to 114 s on an H200, each compile six times slower, and XLA warned that
+    its autotuning timer was disturbed); ``LOAD_THREADS`` elsewhere (on a 2-core CPU, two at
+    once took 20% off a tiny Llama's 12 compiles and added 13% to two KDA kernels')."""
+    return 1 if platform == "gpu" else LOAD_THREADS
 
 
 class CompileError(RuntimeError):
@@ -249,11 +259,13 @@ class PlanCompiler:
         description of everything the stage functions read besides their arguments (needed to
         cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
         programs over it. ``compiler_options``: XLA options for every executable (module
-        docstring). ``threads``: executables loaded or compiled at once (None:
-        ``DEFAULT_THREADS``)."""
+        docstring). ``threads``: executables compiled at once (None: the platform's
+        ``default_compile_threads``)."""
         if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1 (or None for {DEFAULT_THREADS}), got {threads}")
-        self.threads = DEFAULT_THREADS if threads is None else threads
+            raise ValueError(f"threads must be >= 1 (or None: the platform's default), got "
+                             f"{threads}")
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        self.threads = default_compile_threads(platform) if threads is None else threads
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
@@ -453,7 +465,7 @@ class PlanCompiler:
                    disable=not self.progress)
         hits = [job for job in pending if job.entry is not None]
         load_start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+        with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
             for job in pool.map(functools.partial(self._timed, self._load), hits):
                 if job.loaded:
                     bar.set_postfix_str(f"{job.name} @ {job.label} (cached)", refresh=False)
