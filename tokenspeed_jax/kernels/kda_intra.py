@@ -38,7 +38,7 @@ Invariants:
   several and their waits overlap.
 - A row block meets only the keys before it. Each block is its own call (its offsets static:
   under a branch on the block id the compiler took 180-255 registers), so block b decays and
-  multiplies the first 16 b keys, padded to a power-of-two width of at least 32 and masked,
+  multiplies the first 16 b keys, padded to a power-of-two width (16, 32, 64) and masked,
   instead of all C keys. The calls write one parts and one aqk buffer, aliased through them.
 - The scores kernel writes disjoint column ranges of a row block, each once: the earlier
   blocks' columns and zeros in aqk's later columns (masked stores), and its own 16 x 16 diagonal
@@ -250,7 +250,7 @@ def score_rows(
     aqk_ref[:, rows] = qk_block.astype(aqk_ref.dtype)
 
     if block:  # the earlier blocks' keys, decayed from the first row; padded to a power of two
-        width = max(2 * SUB_BLOCK, 1 << (start - 1).bit_length())
+        width = 1 << (start - 1).bit_length()  # 16, 32, 64 for blocks 1, 2, 3
         earlier = pl.ds(0, width)
         is_earlier = lax.broadcasted_iota(jnp.int32, (width, 1), 0) < start
         across_kk = across_qk = jnp.zeros((SUB_BLOCK, width), f32)
