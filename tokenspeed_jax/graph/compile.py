@@ -392,13 +392,18 @@ class PlanCompiler:
         job.seconds += time.perf_counter() - t0
 
     def _compile_pending(self, jobs: list[_Job], bar: Any) -> None:
-        """Compile ``jobs`` on ``self.threads`` threads; the first failure cancels the rest."""
+        """Compile ``jobs`` on ``self.threads`` threads; the first failure cancels the rest.
+        The bar names the job compiling (the latest started) and counts those done."""
+
+        def compile_one(job: _Job) -> _Job:
+            bar.set_postfix_str(f"{job.name} @ {job.label}")
+            return self._timed(self._compile, job)
+
         with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
-            futures = [pool.submit(self._timed, self._compile, job) for job in jobs]
+            futures = [pool.submit(compile_one, job) for job in jobs]
             try:
                 for future in concurrent.futures.as_completed(futures):
-                    job = future.result()
-                    bar.set_postfix_str(f"{job.name} @ {job.label}", refresh=False)
+                    future.result()
                     bar.update()
             except BaseException:
                 for future in futures:
