@@ -297,7 +297,7 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
         command.append("--inline-prefill-attention" if args.inline_prefill_attention
                        else "--no-inline-prefill-attention")
     command += ["--model", str(model_dir)] * (model_dir is not None)
-    command += ["--compile-threads", str(args.compile_threads)] * bool(args.compile_threads)
+    command += ["--compile-threads", str(args.compile_threads)]
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -367,9 +367,8 @@ def main() -> None:
     parser.add_argument("--inline-prefill-attention", action=argparse.BooleanOptionalAction,
                         help="prefill encoders with attention inside, or not (EngineConfig's "
                              "option; unset: its auto rule)")
-    parser.add_argument("--compile-threads", type=int,
-                        help="executables compiled or loaded at once (EngineConfig's "
-                             "compile_threads; unset: its auto rule)")
+    parser.add_argument("--compile-threads", type=int, default=1,
+                        help="executables compiled at once (EngineConfig's compile_threads)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)

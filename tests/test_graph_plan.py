@@ -27,7 +27,6 @@ from tokenspeed_jax.graph import (
     run_eager,
     whole_forward,
 )
-from tokenspeed_jax.graph.compile import LOAD_THREADS, default_compile_threads
 
 WIDTH = 8
 BUCKETS = (16, 32)
@@ -49,7 +48,7 @@ PLAN = Plan([Call(BLOCK, WEIGHTS[0]), Call(SCALE), Call(BLOCK, WEIGHTS[1]),
              Call(BLOCK, WEIGHTS[2])], ("x",), ("x",))
 
 
-def compile_plan(plan=PLAN, buckets=BUCKETS, threads=None):
+def compile_plan(plan=PLAN, buckets=BUCKETS, threads=1):
     compiler = PlanCompiler(progress=False, threads=threads)
     for size in buckets:
         compiler.add(f"rows={size}", plan, {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)},
@@ -259,13 +258,6 @@ def test_compile_failure_on_a_thread_is_fatal_and_skips_the_rest(monkeypatch):
     assert started == ["rows=16"]
     with pytest.raises(ValueError, match="threads must be >= 1"):
         PlanCompiler(threads=0)
-
-
-def test_one_compile_at_a_time_by_default_on_a_gpu_only():
-    assert default_compile_threads("gpu") == 1
-    assert default_compile_threads("cpu") == LOAD_THREADS
-    assert PlanCompiler(progress=False).threads == default_compile_threads(
-        jax.devices()[0].platform)
 
 
 def test_compiler_options_reach_xla():

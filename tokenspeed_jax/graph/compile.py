@@ -16,8 +16,8 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   traced), so a plan's later calls are compiled for exactly what earlier calls produce.
 * A cache entry that cannot be used (corrupt, incompatible) is logged, recompiled and replaced;
   the summary counts executables loaded and compiled, and the seconds each took.
-* Cache hits load on ``LOAD_THREADS`` threads; misses compile on ``threads`` threads (default:
-  ``default_compile_threads()``). Both run outside the GIL. Jobs are traced by ``add`` on the
+* Cache hits load on ``LOAD_THREADS`` threads; misses compile on ``threads`` threads (one unless
+  told: see ``PlanCompiler``). Both run outside the GIL. Jobs are traced by ``add`` on the
   calling thread (a cache entry that cannot be loaded: on its compile's thread), so what is
   compiled does not depend on the thread count; a failure on any thread cancels the compiles not
   yet started and is raised as the same ``CompileError``. Load seconds are the wall time of the
@@ -81,15 +81,6 @@ from tokenspeed_jax.graph.runner import CompiledCall, CompiledPlan
 # 2.1 s on one thread and 1.2 s on two, on a 2-core CPU; 21 SmolLM2 executables 1.42 s on one and
 # 0.31 s on eight, on an H200's host).
 LOAD_THREADS = min(8, os.cpu_count() or 1)
-
-
-def default_compile_threads(platform: str) -> int:
-    """Executables compiled at once by default on ``platform``: one on a GPU, where XLA times
-    candidate kernels on the device while it compiles (eight at once took a cold SmolLM2
-    start-up from 141 s to 114 s on an H200, each compile six times slower, and XLA warned that
-    its autotuning timer was disturbed); ``LOAD_THREADS`` elsewhere (on a 2-core CPU, two at
-    once took 20% off a tiny Llama's 12 compiles and added 13% to two KDA kernels')."""
-    return 1 if platform == "gpu" else LOAD_THREADS
 
 
 class CompileError(RuntimeError):
@@ -253,19 +244,20 @@ class PlanCompiler:
         fingerprint: str | None = None,
         mesh: Mesh | None = None,
         compiler_options: Mapping[str, str | bool] | None = None,
-        threads: int | None = None,
+        threads: int = 1,
     ) -> None:
         """``cache``: look executables up there and store new ones. ``fingerprint``: a stable
         description of everything the stage functions read besides their arguments (needed to
         cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
         programs over it. ``compiler_options``: XLA options for every executable (module
-        docstring). ``threads``: executables compiled at once (None: the platform's
-        ``default_compile_threads``)."""
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1 (or None: the platform's default), got "
-                             f"{threads}")
-        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        self.threads = default_compile_threads(platform) if threads is None else threads
+        docstring). ``threads``: executables compiled at once. One by default: on an H200
+        eight at once took a cold SmolLM2 start-up from 141 s to 114 s, but each compile ran
+        six times longer and XLA warned that its autotuner's timer was disturbed (a disturbed
+        timing can pick a slower kernel); on a 2-core CPU two at once took 20% off a tiny
+        Llama's 12 compiles, added 13% to two KDA kernels' and nothing to the test suite."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
