@@ -4,8 +4,9 @@ fla's Triton kernels (`chunk_kda`, `fused_recurrent_kda`) at H=32, K=V=128, bf16
     python3 scripts/bench_kda.py [--out DIR] [--skip-fla] [--budget-s SECONDS]
 
 Checks (fp32 and bf16): ragged packed prefill with GVA, states from a pool, a padded request and
-a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm. Each reports
-||out - ref|| / ||ref|| against the fp32 reference on the same (upcast) inputs.
+a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm; the prefill and decode
+again with a bf16 state pool. Each reports ||out - ref|| / ||ref|| against the fp32 reference on
+the same (upcast) inputs and states.
 Timings: prefill at T = 2048, 8192, 32768 (one sequence) and 16 x 1024 packed; decode at batch
 1, 64, 256. Our decode runs many steps inside one compiled program (as in the engine), so it pays
 no per-call dispatch; fla's numbers are `triton.testing.do_bench` medians of its Python call.
@@ -13,7 +14,8 @@ Timings use fla's benchmark gates (-softplus(x - 1), x normal); the checks and o
 add 2% of gates at -100, where every 16-row block takes the exact in-block pairs. Variants of our
 prefill (that one, and other ChunkConfig settings) are timed at T=8192 and T=32768 right after
 the default, and the time of each stage alone (inputs to chunks, per-chunk kernel, state scan)
-at T=8192; 32 x 1024 packed beside T=32768 shows what the serial state scan costs.
+at T=8192; 32 x 1024 packed beside T=32768 shows what the serial state scan costs. Variants of
+our decode (a bf16 state pool, a narrower block) are timed at every batch.
 Items run most important first; once --budget-s has passed, the rest are logged as skipped, so a
 run under a hard time limit still ends with its table. Every result is printed as a JSON line and
 appended to DIR/bench_kda.jsonl as it comes.
@@ -46,7 +48,10 @@ VARIANTS = {  # our prefill under other settings or inputs, timed at T=8192 and 
         "config": kda.ChunkConfig(inverse_dots="tf32x3", block_inverse_dots="fp32")},
 }
 VARIANT_CASES = ("T=8192", "T=32768")
-DECODE_VARIANTS = {"pallas-decode_block_v32": kda_decode.RecurrentConfig(block_v=32)}
+DECODE_VARIANTS = {  # our decode under other settings, timed at every batch of DECODE_BATCHES
+    "pallas-bf16_state": {"state_dtype": jnp.bfloat16},
+    "pallas-decode_block_v32": {"config": kda_decode.RecurrentConfig(block_v=32)},
+}
 
 
 class Log:
@@ -90,15 +95,18 @@ CHECK_HEADS, CHECK_VALUE_HEADS = 4, 8
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}
 
 
-def check_prefill(kernel: str, dtype, config: kda.ChunkConfig | None = None) -> dict:
-    """Ragged GVA prefill from a pool, with a padded request and (chunk kernel) a checkpoint."""
+def check_prefill(kernel: str, dtype, config: kda.ChunkConfig | None = None,
+                  state_dtype=jnp.float32) -> dict:
+    """Ragged GVA prefill from a pool (of ``state_dtype``), with a padded request and (chunk
+    kernel) a checkpoint."""
     slots, real = CHECK_SLOTS, CHECK_SLOTS >= 0
     cu = np.concatenate([[0], np.cumsum(CHECK_LENGTHS)]).astype(np.int32)
     inputs = random_inputs(jax.random.key(0), int(cu[-1]) + 17, CHECK_HEADS, CHECK_VALUE_HEADS,
                            dtype)
     f32_inputs = [x.astype(jnp.float32) for x in inputs]
-    pool = jax.random.normal(jax.random.key(1), (8, CHECK_VALUE_HEADS, K, V), jnp.float32)
+    pool = jax.random.normal(jax.random.key(1), (8, CHECK_VALUE_HEADS, K, V), state_dtype)
     init = jnp.where(real[:, None, None, None], pool[np.maximum(slots, 0)], 0.0)
+    init = init.astype(jnp.float32)
     o_ref, s_ref = kda_ref.chunk_kda_reference(
         *[x[None] for x in f32_inputs], initial_state=init, output_final_state=True,
         cu_seqlens=cu)
@@ -131,16 +139,17 @@ def check_prefill(kernel: str, dtype, config: kda.ChunkConfig | None = None) -> 
     return row
 
 
-def check_decode(dtype) -> dict:
-    """Decode with the fused gate and L2 norm, 64 requests, one of them padding."""
+def check_decode(dtype, state_dtype=jnp.float32) -> dict:
+    """Decode with the fused gate and L2 norm, 64 requests, one of them padding, from a pool of
+    ``state_dtype``."""
     n, value_heads = 64, CHECK_VALUE_HEADS
     q, k, v, g_raw, beta = random_inputs(jax.random.key(2), n, CHECK_HEADS, value_heads, dtype)
     q, k = q * 3, k * 3
     a_log = jax.random.normal(jax.random.key(3), (value_heads,)) * 0.5
     dt_bias = jax.random.normal(jax.random.key(4), (value_heads * K,))
     slots = jnp.arange(n, dtype=jnp.int32).at[3].set(-1)
-    pool = jax.random.normal(jax.random.key(5), (n, value_heads, K, V), jnp.float32)
-    init = jnp.where((slots >= 0)[:, None, None, None], pool, 0.0)
+    pool = jax.random.normal(jax.random.key(5), (n, value_heads, K, V), state_dtype)
+    init = jnp.where((slots >= 0)[:, None, None, None], pool, 0.0).astype(jnp.float32)
     o_ref, s_ref = kda_ref.recurrent_kda_reference(
         *[x.astype(jnp.float32)[:, None] for x in (q, k, v, g_raw, beta)],
         initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -157,18 +166,21 @@ def check_decode(dtype) -> dict:
     return row
 
 
-def checks(kernels, dtypes):
-    """(labels, measure) items checking `kernels` in each of `dtypes`."""
+def checks(kernels, dtypes, state_dtype=jnp.float32):
+    """(labels, measure) items checking `kernels` in each of `dtypes`, states in a pool of
+    ``state_dtype``."""
     items = []
+    suffix = "" if state_dtype == jnp.float32 else f" {jnp.dtype(state_dtype).name}_state"
     for dtype in dtypes:
         name = jnp.dtype(dtype).name
         for kernel in kernels:
             if kernel == "decode":
-                items.append(({"check": "decode_gate_l2norm", "dtype": name},
-                              functools.partial(check_decode, dtype)))
+                items.append(({"check": "decode_gate_l2norm" + suffix, "dtype": name},
+                              functools.partial(check_decode, dtype, state_dtype)))
             else:
-                items.append(({"check": f"prefill_{kernel}", "dtype": name},
-                              functools.partial(check_prefill, kernel, dtype)))
+                items.append(({"check": f"prefill_{kernel}" + suffix, "dtype": name},
+                              functools.partial(check_prefill, kernel, dtype,
+                                                state_dtype=state_dtype)))
     return items
 
 
@@ -247,7 +259,8 @@ def prefill_stages(lengths, calls=10):
             for name, stage in stages.items()}
 
 
-def decode_ours(batch, config: kda_decode.RecurrentConfig | None = None, steps=100):
+def decode_ours(batch, config: kda_decode.RecurrentConfig | None = None,
+                state_dtype=jnp.float32, steps=100):
     config = config or kda_decode.RecurrentConfig()
     q, k, v, g, beta = random_inputs(jax.random.key(7), batch, H, H, jnp.bfloat16,
                                      strong_gates=False)
@@ -261,7 +274,7 @@ def decode_ours(batch, config: kda_decode.RecurrentConfig | None = None, steps=1
 
         return jax.lax.fori_loop(0, steps, step, pool)
 
-    pool = jnp.zeros((batch, H, K, V), jnp.float32)
+    pool = jnp.zeros((batch, H, K, V), state_dtype)
     return {"us": wall_ms(lambda: many_steps(pool).block_until_ready(), repeats=3) / steps * 1e3}
 
 
@@ -326,8 +339,10 @@ def plan(with_fla: bool):
     items += timings("pallas", prefill_ours, decode_ours, (), DECODE_BATCHES)
     items.append(({"bench": "stages", "case": "T=8192", "impl": "pallas"},
                   functools.partial(prefill_stages, PREFILL_CASES["T=8192"])))
-    for impl, config in DECODE_VARIANTS.items():
-        items += timings(impl, None, functools.partial(decode_ours, config=config), (), (64,))
+    items += checks(["chunk", "decode"], [jnp.bfloat16], state_dtype=jnp.bfloat16)
+    for impl, settings in DECODE_VARIANTS.items():
+        items += timings(impl, None, functools.partial(decode_ours, **settings), (),
+                         DECODE_BATCHES)
     items += timings("pallas", prefill_ours, None, SCAN_CASE, ())
     items += checks(["chunk"], [jnp.float32])
     items += checks(["recurrent", "decode"], [jnp.bfloat16, jnp.float32])

@@ -79,3 +79,5 @@ def test_config_rejects_bad_values_naming_them():
         EngineConfig(chunked_prefill_size=-1)
     with pytest.raises(ValueError, match="compile_threads must be >= 1, got 0"):
         EngineConfig(compile_threads=0)
+    with pytest.raises(ValueError, match="kda_state_dtype must be one of .*got 'float16'"):
+        EngineConfig(kda_state_dtype="float16")

@@ -186,6 +186,29 @@ def test_prefill_checkpoints_at_several_granularities(ragged_batch):
     np.testing.assert_array_equal(new_pool[[6, 8]], np.asarray(pool)[[6, 8]])
 
 
+def test_prefill_with_a_bf16_pool_rounds_only_the_states_it_stores(ragged_batch):
+    inputs, cu, pool, slots = ragged_batch
+    pool = pool.astype(jnp.bfloat16)
+    offsets = np.array([0, 0, 0, 0, 512, 0], np.int32)
+    ckpt_slots = np.array([-1, -1, -1, -1, 5, -1], np.int32)
+    o, new_pool = run_prefill((inputs, cu, pool, slots), offsets, ckpt_slots)
+    assert new_pool.dtype == jnp.bfloat16
+    real = slots >= 0
+    start = np.asarray(pool.astype(jnp.float32))
+    init = np.where(real[:, None, None, None], start[np.maximum(slots, 0)], 0)
+    o_ref, s_ref = reference(inputs, cu, jnp.asarray(init))
+    for n in range(len(slots)):
+        assert rel_err(o[cu[n]:cu[n + 1]], o_ref[cu[n]:cu[n + 1]]) < 1e-4, n
+    one_rounding = {"rtol": 2.0**-8, "atol": 1e-6}  # bf16 keeps 8 bits of the fp32 state
+    np.testing.assert_allclose(new_pool[slots[real]].astype(np.float32), s_ref[real],
+                               **one_rounding)
+    prefix = [x[cu[4]:cu[4] + offsets[4]] for x in inputs]
+    _, s_ckpt = reference(prefix, np.array([0, offsets[4]]), jnp.asarray(init[4:5]))
+    np.testing.assert_allclose(new_pool[5].astype(np.float32), s_ckpt[0], **one_rounding)
+    untouched = [1, 3, 6, 8]
+    np.testing.assert_array_equal(new_pool[untouched], np.asarray(pool)[untouched])
+
+
 @pytest.mark.parametrize("nilpotency", [4, 16])
 def test_nilpotent_inverse_matches_numpy(nilpotency):
     rng = np.random.default_rng(7)
@@ -303,8 +326,8 @@ def test_prefill_rejects_bad_shapes():
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 4, 8], jnp.int32),
                               interpret=True)
-    with pytest.raises(TypeError, match="float32"):
-        kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.bfloat16), slots,
+    with pytest.raises(TypeError, match="float32.*bfloat16.*got float16"):
+        kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.float16), slots,
                               jnp.array([0, 8], jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="diagonal_heads"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 8], jnp.int32),

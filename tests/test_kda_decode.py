@@ -59,3 +59,29 @@ def test_decode_continues_a_recurrent_prefill():
         np.testing.assert_allclose(o_t[0], o_ref[0, t], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(pool[1], s_ref[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(pool[0], 0)
+
+
+def test_decode_with_a_bf16_pool_rounds_the_state_once_a_step():
+    rng = np.random.default_rng(2)
+    steps, n = 3, 2
+    q = jnp.asarray(rng.standard_normal((steps, n, H, K)), jnp.float32)
+    k = kda_ref.l2_normalize(jnp.asarray(rng.standard_normal((steps, n, H, K)), jnp.float32))
+    v = jnp.asarray(rng.standard_normal((steps, n, HV, V)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.0, 2.0, (steps, n, HV, K)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 1.0, (steps, n, HV)), jnp.float32)
+    start = np.asarray(jnp.asarray(rng.standard_normal((3, HV, K, V)), jnp.bfloat16))
+    pool = jnp.asarray(start)
+    slots = jnp.array([2, 0], jnp.int32)
+    state = pool[slots]
+    for t in range(steps):
+        o_ref, s_ref = kda_ref.recurrent_kda_reference(
+            *(x[t][:, None] for x in (q, k, v, g, beta)),
+            initial_state=state.astype(jnp.float32), output_final_state=True)
+        o_t, pool = kda_decode.kda_decode(q[t], k[t], v[t], g[t], beta[t], pool, slots,
+                                          interpret=True)
+        assert pool.dtype == jnp.bfloat16
+        np.testing.assert_allclose(o_t, o_ref[:, 0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(pool[slots].astype(jnp.float32), s_ref, rtol=2.0**-8,
+                                   atol=1e-6)
+        state = s_ref.astype(jnp.bfloat16)  # what a bf16 pool keeps between steps
+    np.testing.assert_array_equal(pool[1], start[1])

@@ -74,7 +74,7 @@ def request(rid: str, tokens: np.ndarray, start: int, first_page: int, slot: int
 def noisy_pools(runner: KimiRunner, seed: int) -> dict[str, np.ndarray]:
     """Random values in every pool row and page, so a stray write is visible."""
     rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in runner.pools.items()}
+    return {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in runner.pools.items()}
 
 
 def run(runner: KimiRunner, pools: dict, how: str, requests: list) -> tuple:
@@ -181,6 +181,46 @@ def test_decode_route_matches_eager_and_extends_the_prefill(runner):
                                           request("b", short, 0, 8, slot=3)])
     assert_same(compiled, whole)
     assert runner.stats()["runtime_compiles"] == 0
+
+
+def test_bf16_state_rows_round_where_the_reference_stores():
+    """``kda_state_dtype="bfloat16"``: the state pools are bf16, and a decode step's kernels (run
+    op by op) match the KDA reference, which also rounds a state only where it stores it, to
+    one bf16 rounding; rows of other requests keep their bits. (The prefill kernel's bf16 pool
+    is checked in test_kda.)"""
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    config = dataclasses.replace(CONFIG, kda_state_dtype="bfloat16")
+    runner = KimiRunner(checkpoint.model, config, num_pages=24, num_state_slots=6,
+                        page_size=PAGE)
+    dtypes = {n: p.dtype for n, p in runner.pools.items()}
+    assert {d for n, d in dtypes.items() if n.startswith("state")} == {jnp.dtype(jnp.bfloat16)}
+    assert {d for n, d in dtypes.items() if not n.startswith("state")} == {jnp.dtype(jnp.float32)}
+
+    def assert_one_rounding_apart(a: tuple, b: tuple) -> None:
+        np.testing.assert_array_equal(a[0].token_ids, b[0].token_ids)
+        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=ATOL)
+        for name in a[1]:
+            assert a[1][name].dtype == dtypes[name]
+            np.testing.assert_allclose(a[1][name].astype(np.float32),
+                                       b[1][name].astype(np.float32), rtol=2.0**-7, atol=ATOL,
+                                       err_msg=name)
+
+    long, short = prompts()
+    decode = [request("a", long[-1:], 69, 0, slot=1), request("b", short[-1:], 39, 8, slot=3)]
+    pools = noisy_pools(runner, 5)
+    kernels = run_eager_plan(runner, pools, "decode", decode)
+    assert_one_rounding_apart(kernels, run_eager_plan(runner, pools, "reference", decode))
+    for name, before in pools.items():
+        if name.startswith("state"):
+            np.testing.assert_array_equal(kernels[1][name][[0, 2, 4, 5]], before[[0, 2, 4, 5]])
+            assert not np.array_equal(kernels[1][name][[1, 3]], before[[1, 3]])
+
+
+def run_eager_plan(runner: KimiRunner, pools: dict, plan: str, requests: list) -> tuple:
+    with runner.guard.allowed("test pools"):
+        runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
+    out = runner.run_eager(requests, plan=plan)
+    return out, {n: np.asarray(p) for n, p in runner.pools.items()}
 
 
 def test_a_mixed_step_runs_its_decode_rows_on_the_decode_route(runner):

@@ -6,11 +6,14 @@ them. The expectation is the hash of the plain token list, so a shared row, a mi
 stale checkpoint or a prefix hit that skips tokens without their state changes the outputs.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 from test_scheduler import run_to_completion
 
 from tokenspeed_jax.engine.batch import StepBatch
 from tokenspeed_jax.engine.block_manager import BlockManager
+from tokenspeed_jax.engine.engine import state_slot_bytes
 from tokenspeed_jax.engine.request import Request
 from tokenspeed_jax.engine.scheduler import Scheduler
 from tokenspeed_jax.engine.state_slots import StateSlots, prefix_page_hash
@@ -129,3 +132,12 @@ def test_checkpoint_rows_are_reserved_on_chunk_starts_published_after_the_step_a
     assert slots.find(hashes[:3]) == (2, second)
     third = slots.reserve(tokens, 0, 24)  # both rows taken: evicts the least recently found
     assert third == first
+
+
+def test_state_row_bytes_count_the_state_in_its_dtype_and_the_conv_window_in_the_models():
+    model = SimpleNamespace(linear_num_heads=2, linear_head_dim=4, conv_kernel_size=4,
+                            kda_layers=(0, 2, 3))
+    state, conv = 2 * 4 * 4, (4 - 1) * 3 * 2 * 4  # values per layer
+    assert state_slot_bytes(model, "bfloat16", "float32") == 3 * (state * 4 + conv * 2)
+    assert state_slot_bytes(model, "bfloat16", "bfloat16") == 3 * (state * 2 + conv * 2)
+    assert state_slot_bytes(model, "float32", "bfloat16") == 3 * (state * 2 + conv * 4)

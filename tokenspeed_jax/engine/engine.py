@@ -410,13 +410,14 @@ def kv_page_bytes(model_config: Any, page_size: int, dtype: Any) -> int:
     return per_layer * model_config.num_hidden_layers * itemsize
 
 
-def state_slot_bytes(model_config: Any, dtype: Any) -> int:
-    """Bytes of one KDA state-pool row over all KDA layers: float32 state and the conv window."""
+def state_slot_bytes(model_config: Any, dtype: Any, state_dtype: Any) -> int:
+    """Bytes of one KDA state-pool row over all KDA layers: the recurrent state (in
+    ``state_dtype``) and the conv window (in the model's ``dtype``)."""
     import numpy as np
 
     h, k = model_config.linear_num_heads, model_config.linear_head_dim
     conv = (model_config.conv_kernel_size - 1) * 3 * h * k * np.dtype(dtype).itemsize
-    return (h * k * k * 4 + conv) * len(model_config.kda_layers)
+    return (h * k * k * np.dtype(state_dtype).itemsize + conv) * len(model_config.kda_layers)
 
 
 def hybrid_state_slots(config: EngineConfig) -> StateSlots:
@@ -514,7 +515,8 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
             config = dataclasses.replace(config, enable_prefix_caching=False)
         state_slots = hybrid_state_slots(config)
         # KDA state rows are split by head: each device holds 1/N of every row
-        reserved = -(-state_slots.num_slots * state_slot_bytes(loaded.config, dtype)
+        reserved = -(-state_slots.num_slots
+                     * state_slot_bytes(loaded.config, dtype, config.kda_state_dtype)
                      // parallel.mesh_size(mesh))
     if state_slots is None:
         reserved += stacked_copy_bytes(config, loaded.model)

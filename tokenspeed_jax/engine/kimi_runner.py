@@ -21,7 +21,8 @@ segments with the same pieces and wiring are one executable. Routes per step:
 A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
 route and the rest on the route they take, joined back in batch order (``mixed_splits``).
 
-State: per KDA layer a recurrent pool ``state.i [P, H, K, V]`` fp32 and a conv pool
+State: per KDA layer a recurrent pool ``state.i [P, H, K, V]`` (fp32, or bf16 with
+``EngineConfig.kda_state_dtype``) and a conv pool
 ``conv.i [P, W - 1, 3 H K]``; per MLA layer a paged latent cache ``latent.j``. Requests name
 their rows (``StepRequest.state_slot``); every pool is donated and updated in place. A
 request at position 0 starts from zero states (its rows are reset inside the plan); a later chunk
@@ -255,7 +256,7 @@ class KimiRunner:
             shapes: dict[str, tuple[tuple[int, ...], Any]] = {}
             for i, kind in enumerate(self.kinds):
                 if kind == KDA:
-                    shapes[f"state.{i}"] = (num_state_slots, h, k, k), jnp.float32
+                    shapes[f"state.{i}"] = (num_state_slots, h, k, k), config.kda_state_dtype
                     shapes[f"conv.{i}"] = (num_state_slots, width - 1, 3 * h * k), self.dtype
                 else:
                     shapes[f"latent.{i}"] = (num_pages, page_size, cfg.latent_dim), self.dtype

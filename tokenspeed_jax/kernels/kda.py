@@ -16,9 +16,12 @@ Invariants:
   static, fixed by the caller's bucket; request boundaries and slots are traced arrays.
 - Every request starts its chunks at its own first token, so chunks never straddle requests; the
   last chunk is zero-padded, which is exact (k = v = beta = g = 0 leaves the state unchanged).
-- States live in a pool [P, HV, K, V] fp32, read from and written to row `slots[n]`; the pool is
-  donated and updated in place. A request with `slots[n] < 0` is padding: it reads zeros and writes
-  no state. Slots (and checkpoint slots) in one call must be distinct.
+- States live in a pool [P, HV, K, V], read from and written to row `slots[n]`; the pool is
+  donated and updated in place. The pool is fp32 or bf16 (`kda_ref.STATE_DTYPES`): the scan
+  carries the state in fp32 and rounds it to the pool's dtype only where it stores it (at the
+  checkpoint and at the end), so a bf16 pool costs one rounding per call, not one per chunk.
+  A request with `slots[n] < 0` is padding: it reads zeros and writes no state. Slots (and
+  checkpoint slots) in one call must be distinct.
 - Checkpoints: a request with `checkpoint_slots[n] >= 0` also stores its state after
   `checkpoint_offsets[n]` tokens into that slot. Offsets are traced values: they must be positive
   multiples of 64 (prefix-cache granularities are multiples of the chunk) and at most the
@@ -100,9 +103,9 @@ def _state_scan_kernel(
     u_ref,  # [HV, NC, C, V]
     aqk_ref,  # [HV, NC * C, C]: chunk rows
     glast_ref,  # [HV, NC, K] fp32, each chunk's total log decay
-    pool_ref,  # [P, HV, K, V] fp32, aliased with pool_out_ref
+    pool_ref,  # [P, HV, K, V] fp32 or bf16, aliased with pool_out_ref
     o_ref,  # [T, HV, V]: token rows
-    pool_out_ref,  # [P, HV, K, V] fp32
+    pool_out_ref,  # [P, HV, K, V] fp32 or bf16
     *,
     block_v: int,
     precision,
@@ -119,7 +122,7 @@ def _state_scan_kernel(
 
     state = lax.cond(
         slot >= 0,
-        lambda: pool_ref[jnp.maximum(slot, 0), head, :, cols],
+        lambda: pool_ref[jnp.maximum(slot, 0), head, :, cols].astype(jnp.float32),
         lambda: jnp.zeros((head_k, block_v), jnp.float32),
     )
 
@@ -143,13 +146,13 @@ def _state_scan_kernel(
 
     @pl.when(ckpt_slot >= 0)
     def _():
-        pool_out_ref[ckpt_slot, head, :, cols] = state
+        pool_out_ref[ckpt_slot, head, :, cols] = state.astype(pool_out_ref.dtype)
 
     state = lax.fori_loop(chunk_ckpt, chunk_end, chunk_step, state)
 
     @pl.when(slot >= 0)
     def _():
-        pool_out_ref[slot, head, :, cols] = state
+        pool_out_ref[slot, head, :, cols] = state.astype(pool_out_ref.dtype)
 
     @pl.when(n == pl.num_programs(0) - 1)
     def _():
@@ -233,7 +236,7 @@ def scan_stage(table, qg, w, kg, u, aqk, glast, state_pool, *, num_tokens: int, 
         functools.partial(_state_scan_kernel, block_v=block_v, precision=precision),
         grid=(table.shape[0], HV, V // block_v),
         out_shape=[jax.ShapeDtypeStruct((padded_tokens, HV, V), out_dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={7: 1},
         compiler_params=pallas_backend.compiler_params(
             num_warps=config.scan_num_warps, num_stages=num_stages),
@@ -295,7 +298,7 @@ def chunk_kda_prefill(
     """Chunked KDA over a packed bucket of requests, states in a donated pool.
 
     q, k [T, H, K]; v [T, HV, V]; g [T, HV, K] (log decay, or raw with `use_gate_in_kernel`);
-    beta [T, HV]; state_pool [P, HV, K, V] fp32; slots [N] int32 (< 0: padded request);
+    beta [T, HV]; state_pool [P, HV, K, V] fp32 or bf16; slots [N] int32 (< 0: padded request);
     cu_seqlens [N + 1] int32; checkpoint_offsets, checkpoint_slots [N] int32 (slot < 0: none).
     Returns (o [T, HV, V] in v's dtype, updated pool). Tokens past cu_seqlens[-1] get zeros.
     """

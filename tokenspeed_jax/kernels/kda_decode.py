@@ -1,14 +1,15 @@
 """KDA token-by-token recurrence as a Pallas GPU kernel: decode, and fla's `fused_recurrent_kda`.
 
-One program per (request, value head, block of V) carries a [K, block_v] fp32 slice of the state
-through the request's tokens: S *= exp(g_t); S += outer(k_t, beta_t * (v_t - k_t @ S));
+One program per (block of V, value head, request) carries a [K, block_v] fp32 slice of the state
+through the request's tokens (the blocks of one head's state are neighbouring programs): S *= exp(g_t); S += outer(k_t, beta_t * (v_t - k_t @ S));
 o_t = scale * q_t @ S. The q/k L2 normalisation and the gate -exp(A_log) * softplus(g + dt_bias)
 are fused into the kernel, so decode is one launch over the whole batch.
 
 Invariants (shared with the chunked prefill in `kda`): inputs are packed [T, ...] with request
-boundaries `cu_seqlens` [N + 1]; states live in a donated pool [P, HV, K, V] fp32 at row
-`slots[n]`; a request with `slots[n] < 0` is padding, reads zeros and writes no state; slots in
-one call are distinct. Decode is the case of one token per request (`kda_decode`).
+boundaries `cu_seqlens` [N + 1]; states live in a donated pool [P, HV, K, V] at row `slots[n]`,
+fp32 or bf16 (`kda_ref.STATE_DTYPES`; the kernel computes in fp32 and rounds the state to the
+pool's dtype only when it stores it); a request with `slots[n] < 0` is padding, reads zeros and
+writes no state; slots in one call are distinct. Decode is the case of one token per request (`kda_decode`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _recurrent_kernel(
     else:
         pool_ref, o_ref, pool_out_ref = refs  # [P, HV, K, V], [T, HV, V], [P, HV, K, V]
     f32 = jnp.float32
-    n, head, v_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    v_block, head, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     begin, end, slot = table_ref[n, 0], table_ref[n, 1], table_ref[n, 2]
     qk_head = head // group
     cols = pl.ds(v_block * block_v, block_v)
@@ -70,7 +71,7 @@ def _recurrent_kernel(
         decay_rate = jnp.exp(a_log_ref[head].astype(f32))
         bias = dt_bias_ref[head, :].astype(f32)
 
-    state = jnp.where(slot >= 0, pool_ref[jnp.maximum(slot, 0), head, :, cols], 0.0)
+    state = jnp.where(slot >= 0, pool_ref[jnp.maximum(slot, 0), head, :, cols].astype(f32), 0.0)
 
     def token_step(t, state):
         q_t = q_ref[t, qk_head, :].astype(f32)
@@ -94,7 +95,7 @@ def _recurrent_kernel(
 
     @pl.when(slot >= 0)
     def _():
-        pool_out_ref[slot, head, :, cols] = state
+        pool_out_ref[slot, head, :, cols] = state.astype(pool_out_ref.dtype)
 
 
 @functools.partial(
@@ -123,7 +124,7 @@ def fused_recurrent_kda_pool(
     one_token_per_request: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Recurrent KDA over packed requests: q, k [T, H, K]; v [T, HV, V]; g [T, HV, K];
-    beta [T, HV]; state_pool [P, HV, K, V] fp32 (donated); slots [N]; cu_seqlens [N + 1].
+    beta [T, HV]; state_pool [P, HV, K, V] fp32 or bf16 (donated); slots [N]; cu_seqlens [N + 1].
 
     Returns (o [T, HV, V] in v's dtype, updated pool). Tokens past cu_seqlens[-1] are unwritten
     and come back as zeros. `one_token_per_request` (decode) promises cu_seqlens = arange(N + 1),
@@ -149,9 +150,9 @@ def fused_recurrent_kda_pool(
     pool_index = 6 + len(gate_args)
     o, state_pool = pl.pallas_call(
         kernel,
-        grid=(num_requests, HV, V // block_v),
+        grid=(V // block_v, HV, num_requests),
         out_shape=[jax.ShapeDtypeStruct((T, HV, V), v.dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
         input_output_aliases={pool_index: 1},
         compiler_params=pallas_backend.compiler_params(
             num_warps=config.num_warps, num_stages=config.num_stages),

@@ -28,6 +28,9 @@ from jax import lax
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
+# dtypes a kernel's state pool may have; the kernels compute in fp32 either way and round a state
+# to the pool's dtype only when they store it
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def softplus(x: jax.Array) -> jax.Array:
@@ -129,7 +132,7 @@ def check_shapes(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
 
 def check_pool_call(q, k, v, g, beta, state_pool, slots, cu_seqlens) -> tuple[int, ...]:
     """Checks a packed pool call (q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
-    state_pool [P, HV, K, V] fp32; slots [N]; cu_seqlens [N + 1]) and returns (T, H, K, HV, V, N).
+    state_pool [P, HV, K, V] fp32 or bf16; slots [N]; cu_seqlens [N + 1]) and returns (T, H, K, HV, V, N).
     """
     if q.ndim != 3:
         raise ValueError(f"q must be packed [T, H, K], got {q.shape=}")
@@ -140,8 +143,9 @@ def check_pool_call(q, k, v, g, beta, state_pool, slots, cu_seqlens) -> tuple[in
                          f"got {cu_seqlens.shape=}")
     if state_pool.ndim != 4 or state_pool.shape[1:] != (HV, K, V):
         raise ValueError(f"state_pool must be [P, {HV}, {K}, {V}], got {state_pool.shape=}")
-    if state_pool.dtype != jnp.float32:
-        raise TypeError(f"state_pool must be float32, got {state_pool.dtype}")
+    if state_pool.dtype not in STATE_DTYPES:
+        raise TypeError(f"state_pool must be one of {[str(d) for d in STATE_DTYPES]}, "
+                        f"got {state_pool.dtype}")
     return T, H, K, HV, V, num_requests
 
 

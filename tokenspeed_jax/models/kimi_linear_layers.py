@@ -6,7 +6,8 @@ One KDA layer, on the normed hidden ``x [T, D]`` of a packed batch (requests del
     q, k, v  = silu(short_conv(x @ {q,k,v}_proj))        conv state: conv pool [P, W - 1, H 3 K]
     g        = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)    (float32, log-space decay)
     beta     = sigmoid(x @ b_proj)
-    o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, K, V] fp32
+    o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, K, V]
+                                                         (fp32 or bf16, computed in fp32)
     out      = o_proj(rmsnorm(o) * sigmoid(g_b(g_a(x))))   (the gated norm runs per head, fp32)
 
 Invariants:
@@ -91,12 +92,12 @@ def _kda_reference(q, k, v, g, beta, pool, meta: KdaMeta):
         split = int(offsets[n])
         if ckpt_slots[n] >= 0 and 0 < split <= hi - lo:
             state = run(lo, lo + split, state)
-            pool = pool.at[int(ckpt_slots[n])].set(state)
+            pool = pool.at[int(ckpt_slots[n])].set(state.astype(pool.dtype))
             lo += split
         if hi > lo:
             state = run(lo, hi, state)
         if slot >= 0:
-            pool = pool.at[slot].set(state)
+            pool = pool.at[slot].set(state.astype(pool.dtype))
     return out, pool
 
 
