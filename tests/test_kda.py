@@ -45,6 +45,12 @@ def reference(inputs, cu, initial_state, **kw):
     return np.asarray(o[0]), np.asarray(s)
 
 
+def pool_reference(inputs, cu, pool_rows, **kw):
+    """``reference`` from states given as pool rows [N, HV, V, K], final states returned so."""
+    o, s = reference(inputs, cu, kda_ref.pool_layout(pool_rows), **kw)
+    return o, np.asarray(kda_ref.pool_layout(s))
+
+
 def rel_err(x, y):
     return float(np.linalg.norm(np.asarray(x) - y) / np.linalg.norm(y))
 
@@ -132,7 +138,7 @@ def ragged_batch():
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     num_tokens = int(cu[-1]) + 9
     inputs = random_inputs(rng, num_tokens)
-    pool = jnp.asarray(rng.standard_normal((10, HV, K, V)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((10, HV, V, K)), jnp.float32)
     slots = np.array([4, 0, 7, 2, 9, -1], np.int32)
     return inputs, cu, pool, slots
 
@@ -153,7 +159,7 @@ def test_prefill_ragged_gva_states_from_pool_and_padding(ragged_batch):
     inputs, cu, pool, slots = ragged_batch
     real = slots >= 0
     init = np.where(real[:, None, None, None], np.asarray(pool)[np.maximum(slots, 0)], 0)
-    o_ref, s_ref = reference(inputs, cu, jnp.asarray(init))
+    o_ref, s_ref = pool_reference(inputs, cu, jnp.asarray(init))
     o, new_pool = run_prefill(ragged_batch)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(new_pool))
     for n in range(len(slots)):
@@ -181,7 +187,7 @@ def test_prefill_checkpoints_at_several_granularities(ragged_batch):
         lo = cu[n]
         prefix = [x[lo:lo + offsets[n]] for x in inputs]
         init = jnp.asarray(np.asarray(pool)[slots[n]][None])
-        _, s_ref = reference(prefix, np.array([0, offsets[n]]), init)
+        _, s_ref = pool_reference(prefix, np.array([0, offsets[n]]), init)
         np.testing.assert_allclose(new_pool[ckpt_slots[n]], s_ref[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(new_pool[[6, 8]], np.asarray(pool)[[6, 8]])
 
@@ -196,14 +202,14 @@ def test_prefill_with_a_bf16_pool_rounds_only_the_states_it_stores(ragged_batch)
     real = slots >= 0
     start = np.asarray(pool.astype(jnp.float32))
     init = np.where(real[:, None, None, None], start[np.maximum(slots, 0)], 0)
-    o_ref, s_ref = reference(inputs, cu, jnp.asarray(init))
+    o_ref, s_ref = pool_reference(inputs, cu, jnp.asarray(init))
     for n in range(len(slots)):
         assert rel_err(o[cu[n]:cu[n + 1]], o_ref[cu[n]:cu[n + 1]]) < 1e-4, n
     one_rounding = {"rtol": 2.0**-8, "atol": 1e-6}  # bf16 keeps 8 bits of the fp32 state
     np.testing.assert_allclose(new_pool[slots[real]].astype(np.float32), s_ref[real],
                                **one_rounding)
     prefix = [x[cu[4]:cu[4] + offsets[4]] for x in inputs]
-    _, s_ckpt = reference(prefix, np.array([0, offsets[4]]), jnp.asarray(init[4:5]))
+    _, s_ckpt = pool_reference(prefix, np.array([0, offsets[4]]), jnp.asarray(init[4:5]))
     np.testing.assert_allclose(new_pool[5].astype(np.float32), s_ckpt[0], **one_rounding)
     untouched = [1, 3, 6, 8]
     np.testing.assert_array_equal(new_pool[untouched], np.asarray(pool)[untouched])
@@ -296,7 +302,7 @@ def test_per_chunk_kernels_match_reference_for_head_blocks(query_heads, value_he
     beta = rng.uniform(0.05, 1.0, (200, value_heads)).astype(np.float32)
     inputs = tuple(jnp.asarray(x) for x in (q, k, v, g, beta))
     pool = jnp.asarray(rng.standard_normal((2, value_heads, wide, wide)).astype(np.float32))
-    o_ref, s_ref = reference(inputs, cu, pool)
+    o_ref, s_ref = pool_reference(inputs, cu, pool)
     o, new_pool = kda.chunk_kda_prefill(
         *inputs, pool, jnp.array([0, 1], jnp.int32), jnp.asarray(cu), interpret=True,
         config=kda.ChunkConfig(diagonal_heads=diagonal_heads, diagonal_rows=diagonal_rows))
@@ -321,7 +327,7 @@ def test_fused_recurrent_matches_chunk_with_initial_state():
 def test_prefill_rejects_bad_shapes():
     rng = np.random.default_rng(5)
     q, k, v, g, beta = random_inputs(rng, 8, strong_decay=False)
-    pool = jnp.zeros((2, HV, K, V), jnp.float32)
+    pool = jnp.zeros((2, HV, V, K), jnp.float32)
     slots = jnp.array([0], jnp.int32)
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 4, 8], jnp.int32),
@@ -398,11 +404,11 @@ def test_prefill_matches_reference_with_narrow_and_whole_scan_blocks(scan_wave):
     q, k, _, g, beta = random_inputs(rng, 200)
     v = jnp.asarray(rng.standard_normal((200, HV, 64)).astype(np.float32))
     cu = np.array([0, 70, 200], np.int32)
-    pool = jnp.asarray(rng.standard_normal((2, HV, K, 64)).astype(np.float32))
+    pool = jnp.asarray(rng.standard_normal((2, HV, 64, K)).astype(np.float32))
     config = kda.ChunkConfig(scan_wave=scan_wave)
     expected_block = 32 if scan_wave > 1 else 64
     assert kda.scan_blocking(2, HV, 64, jnp.bfloat16, config)[0] == expected_block
-    o_ref, s_ref = reference((q, k, v, g, beta), cu, pool)
+    o_ref, s_ref = pool_reference((q, k, v, g, beta), cu, pool)
     o, new_pool = kda.chunk_kda_prefill(q, k, v.astype(jnp.bfloat16), g, beta, pool,
                                         jnp.array([0, 1], jnp.int32), jnp.asarray(cu),
                                         config=config, interpret=True)

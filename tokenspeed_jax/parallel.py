@@ -25,7 +25,7 @@ Layout of Kimi Linear (``kimi_param_spec``):
 * KDA layers, split by head: ``{q,k,v}_proj [D, H, K]``, ``f_b_proj``/``g_b_proj [K, H, K]``,
   ``dt_bias [H, K]``, ``A_log [H]``, ``b_proj [D, H]``, the depthwise ``{q,k,v}_conv [H K, W]``
   (head-major rows) and ``o_proj [H, K, D]`` (row parallel); the low-rank ``f_a_proj``,
-  ``g_a_proj`` and ``o_norm`` are replicated. The state pool ``[P, H, K, V]`` is split by head,
+  ``g_a_proj`` and ``o_norm`` are replicated. The state pool ``[P, H, V, K]`` is split by head,
   the conv pool ``[P, W - 1, 3 H K]`` over its channels, which are head-major (``[H, 3, K]``), so
   each device holds its own heads' q, k and v windows.
 * MLA layers, split by head: ``q_proj``/``q_b_proj [., H, n + r]``, ``kv_b_proj [R, H, n + v]``,
@@ -261,7 +261,7 @@ def place_model(model: Any, mesh: Mesh) -> None:
 
 
 def kimi_pool_sharding(name: str, mesh: Mesh) -> NamedSharding:
-    """Sharding of a Kimi runner pool: ``state.i [P, H, K, V]`` by head, ``conv.i [P, W - 1,
+    """Sharding of a Kimi runner pool: ``state.i [P, H, V, K]`` by head, ``conv.i [P, W - 1,
     3 H K]`` over its head-major channels, ``latent.j`` replicated (module docstring)."""
     kind = name.split(".")[0]
     specs = {"state": head_spec(4), "conv": head_spec(3, axis=2), "latent": PartitionSpec()}

@@ -21,8 +21,8 @@ segments with the same pieces and wiring are one executable. Routes per step:
 A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
 route and the rest on the route they take, joined back in batch order (``mixed_splits``).
 
-State: per KDA layer a recurrent pool ``state.i [P, H, K, V]`` (fp32, or bf16 with
-``EngineConfig.kda_state_dtype``) and a conv pool
+State: per KDA layer a recurrent pool ``state.i [P, H, V, K]`` (each state transposed; fp32, or
+bf16 with ``EngineConfig.kda_state_dtype``) and a conv pool
 ``conv.i [P, W - 1, 3 H K]``; per MLA layer a paged latent cache ``latent.j``. Requests name
 their rows (``StepRequest.state_slot``); every pool is donated and updated in place. A
 request at position 0 starts from zero states (its rows are reset inside the plan); a later chunk

@@ -16,7 +16,8 @@ Invariants:
   static, fixed by the caller's bucket; request boundaries and slots are traced arrays.
 - Every request starts its chunks at its own first token, so chunks never straddle requests; the
   last chunk is zero-padded, which is exact (k = v = beta = g = 0 leaves the state unchanged).
-- States live in a pool [P, HV, K, V], read from and written to row `slots[n]`; the pool is
+- States live in a pool [P, HV, V, K] (each state transposed, `kda_ref.pool_layout`), read from
+  and written to row `slots[n]`; the pool is
   donated and updated in place. The pool is fp32 or bf16 (`kda_ref.STATE_DTYPES`): the scan
   carries the state in fp32 and rounds it to the pool's dtype only where it stores it (at the
   checkpoint and at the end), so a bf16 pool costs one rounding per call, not one per chunk.
@@ -57,6 +58,7 @@ from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
     fla_to_packed,
+    pool_layout,
     prepare_gate,
 )
 from tokenspeed_jax.kernels.kernel_math import dot, dot_tn
@@ -103,9 +105,9 @@ def _state_scan_kernel(
     u_ref,  # [HV, NC, C, V]
     aqk_ref,  # [HV, NC * C, C]: chunk rows
     glast_ref,  # [HV, NC, K] fp32, each chunk's total log decay
-    pool_ref,  # [P, HV, K, V] fp32 or bf16, aliased with pool_out_ref
+    pool_ref,  # [P, HV, V, K] fp32 or bf16, aliased with pool_out_ref
     o_ref,  # [T, HV, V]: token rows
-    pool_out_ref,  # [P, HV, K, V] fp32 or bf16
+    pool_out_ref,  # [P, HV, V, K] fp32 or bf16
     *,
     block_v: int,
     precision,
@@ -122,7 +124,7 @@ def _state_scan_kernel(
 
     state = lax.cond(
         slot >= 0,
-        lambda: pool_ref[jnp.maximum(slot, 0), head, :, cols].astype(jnp.float32),
+        lambda: pool_ref[jnp.maximum(slot, 0), head, cols, :].astype(jnp.float32).T,
         lambda: jnp.zeros((head_k, block_v), jnp.float32),
     )
 
@@ -146,13 +148,13 @@ def _state_scan_kernel(
 
     @pl.when(ckpt_slot >= 0)
     def _():
-        pool_out_ref[ckpt_slot, head, :, cols] = state.astype(pool_out_ref.dtype)
+        pool_out_ref[ckpt_slot, head, cols, :] = state.T.astype(pool_out_ref.dtype)
 
     state = lax.fori_loop(chunk_ckpt, chunk_end, chunk_step, state)
 
     @pl.when(slot >= 0)
     def _():
-        pool_out_ref[slot, head, :, cols] = state.astype(pool_out_ref.dtype)
+        pool_out_ref[slot, head, cols, :] = state.T.astype(pool_out_ref.dtype)
 
     @pl.when(n == pl.num_programs(0) - 1)
     def _():
@@ -298,7 +300,7 @@ def chunk_kda_prefill(
     """Chunked KDA over a packed bucket of requests, states in a donated pool.
 
     q, k [T, H, K]; v [T, HV, V]; g [T, HV, K] (log decay, or raw with `use_gate_in_kernel`);
-    beta [T, HV]; state_pool [P, HV, K, V] fp32 or bf16; slots [N] int32 (< 0: padded request);
+    beta [T, HV]; state_pool [P, HV, V, K] fp32 or bf16; slots [N] int32 (< 0: padded request);
     cu_seqlens [N + 1] int32; checkpoint_offsets, checkpoint_slots [N] int32 (slot < 0: none).
     Returns (o [T, HV, V] in v's dtype, updated pool). Tokens past cu_seqlens[-1] get zeros.
     """
@@ -356,4 +358,4 @@ def chunk_kda(
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, interpret=interpret,
     )
-    return o.reshape(v.shape), (pool if output_final_state else None)
+    return o.reshape(v.shape), (pool_layout(pool) if output_final_state else None)

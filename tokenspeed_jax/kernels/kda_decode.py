@@ -1,15 +1,20 @@
 """KDA token-by-token recurrence as a Pallas GPU kernel: decode, and fla's `fused_recurrent_kda`.
 
-One program per (block of V, value head, request) carries a [K, block_v] fp32 slice of the state
-through the request's tokens (the blocks of one head's state are neighbouring programs): S *= exp(g_t); S += outer(k_t, beta_t * (v_t - k_t @ S));
-o_t = scale * q_t @ S. The q/k L2 normalisation and the gate -exp(A_log) * softplus(g + dt_bias)
-are fused into the kernel, so decode is one launch over the whole batch.
+One program per (block of V, value head, request) carries a block of the state through the
+request's tokens (the blocks of one head's state are neighbouring programs). The pool holds each
+state transposed, so the block is [block_v, K], a value column's K channels in one row, and
+every sum over K stays inside a warp. With D = S * exp(g_t) (the decayed state) and
+e = beta_t * (v_t - k_t @ D), the step is S = D + outer(k_t, e) and
+o_t = scale * (q_t @ D + (q_t . k_t) e): both sums over K read D, so they run side by side.
+The q/k L2 normalisation and the gate -exp(A_log) * softplus(g + dt_bias) are fused into the
+kernel, so decode is one launch over the whole batch.
 
 Invariants (shared with the chunked prefill in `kda`): inputs are packed [T, ...] with request
-boundaries `cu_seqlens` [N + 1]; states live in a donated pool [P, HV, K, V] at row `slots[n]`,
-fp32 or bf16 (`kda_ref.STATE_DTYPES`; the kernel computes in fp32 and rounds the state to the
-pool's dtype only when it stores it); a request with `slots[n] < 0` is padding, reads zeros and
-writes no state; slots in one call are distinct. Decode is the case of one token per request (`kda_decode`).
+boundaries `cu_seqlens` [N + 1]; states live in a donated pool [P, HV, V, K]
+(`kda_ref.pool_layout`) at row `slots[n]`, fp32 or bf16 (`kda_ref.STATE_DTYPES`; the kernel
+computes in fp32 and rounds the state to the pool's dtype only when it stores it); a request
+with `slots[n] < 0` is padding, reads zeros and writes no state; slots in one call are
+distinct. Decode is the case of one token per request (`kda_decode`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tokenspeed_jax.kernels.kda_ref import (
     check_pool_call,
     fla_to_packed,
     gate_params,
+    pool_layout,
     softplus,
 )
 
@@ -38,8 +44,8 @@ __all__ = ["RecurrentConfig", "fused_recurrent_kda", "fused_recurrent_kda_pool",
 class RecurrentConfig:
     """Tuning knobs of the recurrent kernel."""
 
-    block_v: int = 64  # V columns of state per program
-    num_warps: int = 4
+    block_v: int = 8  # V columns of state per program
+    num_warps: int = 1
     num_stages: int = 1
 
 
@@ -61,7 +67,7 @@ def _recurrent_kernel(
     if use_gate:
         a_log_ref, dt_bias_ref, pool_ref, o_ref, pool_out_ref = refs
     else:
-        pool_ref, o_ref, pool_out_ref = refs  # [P, HV, K, V], [T, HV, V], [P, HV, K, V]
+        pool_ref, o_ref, pool_out_ref = refs  # [P, HV, V, K], [T, HV, V], [P, HV, V, K]
     f32 = jnp.float32
     v_block, head, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     begin, end, slot = table_ref[n, 0], table_ref[n, 1], table_ref[n, 2]
@@ -71,7 +77,7 @@ def _recurrent_kernel(
         decay_rate = jnp.exp(a_log_ref[head].astype(f32))
         bias = dt_bias_ref[head, :].astype(f32)
 
-    state = jnp.where(slot >= 0, pool_ref[jnp.maximum(slot, 0), head, :, cols].astype(f32), 0.0)
+    state = jnp.where(slot >= 0, pool_ref[jnp.maximum(slot, 0), head, cols, :].astype(f32), 0.0)
 
     def token_step(t, state):
         q_t = q_ref[t, qk_head, :].astype(f32)
@@ -82,11 +88,12 @@ def _recurrent_kernel(
         g_t = g_ref[t, head, :].astype(f32)
         if use_gate:
             g_t = -decay_rate * softplus(g_t + bias)
-        state = state * jnp.exp(g_t)[:, None]
-        err = v_ref[t, head, cols].astype(f32) - jnp.sum(k_t[:, None] * state, axis=0)
-        state = state + k_t[:, None] * (beta_ref[t, head].astype(f32) * err)[None, :]
-        o_ref[t, head, cols] = (scale * jnp.sum(q_t[:, None] * state, axis=0)).astype(o_ref.dtype)
-        return state
+        decayed = state * jnp.exp(g_t)[None, :]
+        error = beta_ref[t, head].astype(f32) * (
+            v_ref[t, head, cols].astype(f32) - jnp.sum(decayed * k_t[None, :], axis=1))
+        out = jnp.sum(decayed * q_t[None, :], axis=1) + jnp.sum(q_t * k_t) * error
+        o_ref[t, head, cols] = (scale * out).astype(o_ref.dtype)
+        return decayed + error[:, None] * k_t[None, :]
 
     if one_token:  # token n is request n: straight-line code, no loop
         state = token_step(n, state)
@@ -95,7 +102,7 @@ def _recurrent_kernel(
 
     @pl.when(slot >= 0)
     def _():
-        pool_out_ref[slot, head, :, cols] = state.astype(pool_out_ref.dtype)
+        pool_out_ref[slot, head, cols, :] = state.astype(pool_out_ref.dtype)
 
 
 @functools.partial(
@@ -124,7 +131,7 @@ def fused_recurrent_kda_pool(
     one_token_per_request: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Recurrent KDA over packed requests: q, k [T, H, K]; v [T, HV, V]; g [T, HV, K];
-    beta [T, HV]; state_pool [P, HV, K, V] fp32 or bf16 (donated); slots [N]; cu_seqlens [N + 1].
+    beta [T, HV]; state_pool [P, HV, V, K] fp32 or bf16 (donated); slots [N]; cu_seqlens [N + 1].
 
     Returns (o [T, HV, V] in v's dtype, updated pool). Tokens past cu_seqlens[-1] are unwritten
     and come back as zeros. `one_token_per_request` (decode) promises cu_seqlens = arange(N + 1),
@@ -220,4 +227,4 @@ def fused_recurrent_kda(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         interpret=interpret,
     )
-    return o.reshape(v.shape), (pool if output_final_state else None)
+    return o.reshape(v.shape), (pool_layout(pool) if output_final_state else None)

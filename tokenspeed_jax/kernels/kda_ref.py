@@ -14,6 +14,9 @@ beta [B, T, HV]; states [N, HV, K, V] in fp32. Value head h reads query/key head
 With `cu_seqlens` (B must be 1) the packed tokens hold N sequences; each starts from its own
 initial state (zeros by default) and yields its own final state.
 
+The kernels' state *pools* hold each state transposed, [P, HV, V, K] (`pool_layout` converts):
+a value column's K channels lie together, so the decode kernel's sums over K stay inside a warp.
+
 Options shared with the kernels: `use_qk_l2norm_in_kernel` normalises q and k per head,
 x / sqrt(sum(x^2) + 1e-6); `use_gate_in_kernel` turns a raw g into the log decay
 -exp(A_log[h]) * softplus(g + dt_bias[h, :]).
@@ -130,10 +133,15 @@ def check_shapes(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
     return B, T, H, K, HV, V
 
 
+def pool_layout(states: jax.Array) -> jax.Array:
+    """States [..., K, V] (fla's layout) as pool rows [..., V, K], and back (its own inverse)."""
+    return jnp.swapaxes(states, -1, -2)
+
+
 def check_pool_call(q, k, v, g, beta, state_pool, slots, cu_seqlens) -> tuple[int, ...]:
     """Checks a packed pool call (q, k [T, H, K]; v [T, HV, V]; g [T, HV, K]; beta [T, HV];
-    state_pool [P, HV, K, V] fp32 or bf16; slots [N]; cu_seqlens [N + 1]) and returns (T, H, K, HV, V, N).
-    """
+    state_pool [P, HV, V, K] fp32 or bf16; slots [N]; cu_seqlens [N + 1]) and returns
+    (T, H, K, HV, V, N)."""
     if q.ndim != 3:
         raise ValueError(f"q must be packed [T, H, K], got {q.shape=}")
     _, T, H, K, HV, V = check_shapes(q[None], k[None], v[None], g[None], beta[None])
@@ -141,8 +149,9 @@ def check_pool_call(q, k, v, g, beta, state_pool, slots, cu_seqlens) -> tuple[in
     if cu_seqlens.shape != (num_requests + 1,):
         raise ValueError(f"cu_seqlens must be [N + 1] for N={num_requests} slots, "
                          f"got {cu_seqlens.shape=}")
-    if state_pool.ndim != 4 or state_pool.shape[1:] != (HV, K, V):
-        raise ValueError(f"state_pool must be [P, {HV}, {K}, {V}], got {state_pool.shape=}")
+    if state_pool.ndim != 4 or state_pool.shape[1:] != (HV, V, K):
+        raise ValueError(f"state_pool must be [P, HV, V, K] = [P, {HV}, {V}, {K}], "
+                         f"got {state_pool.shape=}")
     if state_pool.dtype not in STATE_DTYPES:
         raise TypeError(f"state_pool must be one of {[str(d) for d in STATE_DTYPES]}, "
                         f"got {state_pool.dtype}")
@@ -170,7 +179,8 @@ def sequence_bounds(cu_seqlens, batch: int, seq_len: int) -> np.ndarray:
 
 def fla_to_packed(q, k, v, g, beta, initial_state, cu_seqlens):
     """fla's [B, T, ...] call as a packed pool call: returns ((q, k, v, g, beta) as [B*T, ...],
-    state pool [N, HV, K, V] fp32 (initial states or zeros), slots [N], cu_seqlens [N + 1])."""
+    state pool [N, HV, V, K] fp32 (initial states or zeros, in `pool_layout`), slots [N],
+    cu_seqlens [N + 1])."""
     B, T, _, K, HV, V = check_shapes(q, k, v, g, beta)
     if cu_seqlens is None:
         cu_seqlens = jnp.arange(B + 1, dtype=jnp.int32) * T
@@ -179,9 +189,9 @@ def fla_to_packed(q, k, v, g, beta, initial_state, cu_seqlens):
     num_seqs = cu_seqlens.shape[0] - 1
     check_initial_state(initial_state, num_seqs, HV, K, V)
     if initial_state is None:
-        pool = jnp.zeros((num_seqs, HV, K, V), jnp.float32)
+        pool = jnp.zeros((num_seqs, HV, V, K), jnp.float32)
     else:
-        pool = initial_state.astype(jnp.float32)
+        pool = pool_layout(initial_state.astype(jnp.float32))
     packed = tuple(x.reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
     return packed, pool, jnp.arange(num_seqs, dtype=jnp.int32), cu_seqlens
 

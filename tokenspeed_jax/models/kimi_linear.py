@@ -265,7 +265,8 @@ class KimiCache:
     """Dense per-request caches of the plain forward: row b of each array is request b.
 
     ``latent``: one [B, S, R + r] array per MLA layer (slot p holds position p); ``conv``:
-    [B, W - 1, 3 H K] and ``state``: [B, H, K, V] float32 per KDA layer.
+    [B, W - 1, 3 H K] and ``state``: [B, H, V, K] float32 per KDA layer (each state
+    transposed, as in the kernels' pools).
     """
 
     latent: tuple[jax.Array, ...]

@@ -6,8 +6,8 @@ One KDA layer, on the normed hidden ``x [T, D]`` of a packed batch (requests del
     q, k, v  = silu(short_conv(x @ {q,k,v}_proj))        conv state: conv pool [P, W - 1, H 3 K]
     g        = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)    (float32, log-space decay)
     beta     = sigmoid(x @ b_proj)
-    o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, K, V]
-                                                         (fp32 or bf16, computed in fp32)
+    o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, V, K]
+                                                         (transposed; fp32 or bf16)
     out      = o_proj(rmsnorm(o) * sigmoid(g_b(g_a(x))))   (the gated norm runs per head, fp32)
 
 Invariants:
@@ -44,7 +44,7 @@ from jax.sharding import Mesh, PartitionSpec
 from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.kda import chunk_kda_prefill
 from tokenspeed_jax.kernels.kda_decode import kda_decode
-from tokenspeed_jax.kernels.kda_ref import kda_gate, recurrent_kda_reference
+from tokenspeed_jax.kernels.kda_ref import kda_gate, pool_layout, recurrent_kda_reference
 from tokenspeed_jax.kernels.short_conv import short_conv_pool
 from tokenspeed_jax.models.layers import linear, normal_param
 
@@ -86,18 +86,18 @@ def _kda_reference(q, k, v, g, beta, pool, meta: KdaMeta):
 
     for n in range(len(slots)):
         lo, hi, slot = int(cu[n]), int(cu[n + 1]), int(slots[n])
-        state = pool[slot] if slot >= 0 else jnp.zeros(pool.shape[1:], pool.dtype)
+        state = pool_layout(pool[slot] if slot >= 0 else jnp.zeros(pool.shape[1:], pool.dtype))
         if hi == lo:
             continue
         split = int(offsets[n])
         if ckpt_slots[n] >= 0 and 0 < split <= hi - lo:
             state = run(lo, lo + split, state)
-            pool = pool.at[int(ckpt_slots[n])].set(state.astype(pool.dtype))
+            pool = pool.at[int(ckpt_slots[n])].set(pool_layout(state).astype(pool.dtype))
             lo += split
         if hi > lo:
             state = run(lo, hi, state)
         if slot >= 0:
-            pool = pool.at[slot].set(state.astype(pool.dtype))
+            pool = pool.at[slot].set(pool_layout(state).astype(pool.dtype))
     return out, pool
 
 
