@@ -332,6 +332,9 @@ def test_prefill_rejects_bad_shapes():
     with pytest.raises(ValueError, match="cu_seqlens"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool, slots, jnp.array([0, 4, 8], jnp.int32),
                               interpret=True)
+    with pytest.raises(ValueError, match=r"state_pool must be \[P, HV, V, K\]"):
+        kda.chunk_kda_prefill(q, k, v, g, beta, jnp.zeros((2, HV, V, 2 * K)), slots,
+                              jnp.array([0, 8], jnp.int32), interpret=True)
     with pytest.raises(TypeError, match="float32.*bfloat16.*got float16"):
         kda.chunk_kda_prefill(q, k, v, g, beta, pool.astype(jnp.float16), slots,
                               jnp.array([0, 8], jnp.int32), interpret=True)

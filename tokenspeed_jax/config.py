@@ -55,7 +55,7 @@ class EngineConfig:
     prefix_granularity: int = 64
     # dtype of the KDA layers' recurrent state rows (hybrid models): "float32", or "bfloat16" for
     # half their memory and half the state a decode step reads and writes (its KDA kernel ran
-    # 1.8x faster at batch 64 on an H200). The kernels compute in fp32 either way and round a
+    # 1.7x faster at batch 64 on an H200). The kernels compute in fp32 either way and round a
     # state only where they store it: once per prefill call and once per decode step.
     kda_state_dtype: str = "float32"
     # One executable per prefill token bucket with attention inside, instead of segments with

@@ -17,10 +17,11 @@ Invariants:
 - Every request starts its chunks at its own first token, so chunks never straddle requests; the
   last chunk is zero-padded, which is exact (k = v = beta = g = 0 leaves the state unchanged).
 - States live in a pool [P, HV, V, K] (each state transposed, `kda_ref.pool_layout`), read from
-  and written to row `slots[n]`; the pool is
-  donated and updated in place. The pool is fp32 or bf16 (`kda_ref.STATE_DTYPES`): the scan
-  carries the state in fp32 and rounds it to the pool's dtype only where it stores it (at the
-  checkpoint and at the end), so a bf16 pool costs one rounding per call, not one per chunk.
+  and written to row `slots[n]`; the pool is donated and updated in place. The scan carries a
+  [K, block_v] block and transposes it where it loads and stores it. The pool is fp32 or bf16
+  (`kda_ref.STATE_DTYPES`): the scan carries the state in fp32 and rounds it to the pool's dtype
+  only where it stores it (at the checkpoint and at the end), so a bf16 pool costs one rounding
+  per call, not one per chunk.
   A request with `slots[n] < 0` is padding: it reads zeros and writes no state. Slots (and
   checkpoint slots) in one call must be distinct.
 - Checkpoints: a request with `checkpoint_slots[n] >= 0` also stores its state after
