@@ -77,11 +77,12 @@ def noisy_pools(runner: KimiRunner, seed: int) -> dict[str, np.ndarray]:
     return {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in runner.pools.items()}
 
 
-def run(runner: KimiRunner, pools: dict, how: str, requests: list) -> tuple:
+def run(runner: KimiRunner, pools: dict, how: str, requests: list, *,
+        eager_plan: str = "reference") -> tuple:
     with runner.guard.allowed("test pools"):
         runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
     if how == "eager":
-        out = runner.run_eager(requests, plan="reference")
+        out = runner.run_eager(requests, plan=eager_plan)
     elif how == "step":
         out = runner.step(StepBatch(requests))
     else:
@@ -89,12 +90,14 @@ def run(runner: KimiRunner, pools: dict, how: str, requests: list) -> tuple:
     return out, {n: np.asarray(p) for n, p in runner.pools.items()}
 
 
-def assert_same(a: tuple, b: tuple) -> None:
+def assert_same(a: tuple, b: tuple, *, pool_rtol: float = 0.0) -> None:
     (out_a, pools_a), (out_b, pools_b) = a, b
     np.testing.assert_array_equal(out_a.token_ids, out_b.token_ids)
     np.testing.assert_allclose(out_a.logprobs, out_b.logprobs, atol=ATOL)
     for name in pools_a:
-        np.testing.assert_allclose(pools_a[name], pools_b[name], atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(pools_a[name].astype(np.float32),
+                                   pools_b[name].astype(np.float32), rtol=pool_rtol, atol=ATOL,
+                                   err_msg=name)
 
 
 def prompts(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -196,31 +199,17 @@ def test_bf16_state_rows_round_where_the_reference_stores():
     assert {d for n, d in dtypes.items() if n.startswith("state")} == {jnp.dtype(jnp.bfloat16)}
     assert {d for n, d in dtypes.items() if not n.startswith("state")} == {jnp.dtype(jnp.float32)}
 
-    def assert_one_rounding_apart(a: tuple, b: tuple) -> None:
-        np.testing.assert_array_equal(a[0].token_ids, b[0].token_ids)
-        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=ATOL)
-        for name in a[1]:
-            assert a[1][name].dtype == dtypes[name]
-            np.testing.assert_allclose(a[1][name].astype(np.float32),
-                                       b[1][name].astype(np.float32), rtol=2.0**-7, atol=ATOL,
-                                       err_msg=name)
-
     long, short = prompts()
     decode = [request("a", long[-1:], 69, 0, slot=1), request("b", short[-1:], 39, 8, slot=3)]
     pools = noisy_pools(runner, 5)
-    kernels = run_eager_plan(runner, pools, "decode", decode)
-    assert_one_rounding_apart(kernels, run_eager_plan(runner, pools, "reference", decode))
+    kernels = run(runner, pools, "eager", decode, eager_plan="decode")
+    reference = run(runner, pools, "eager", decode)
+    assert all(kernels[1][name].dtype == dtype for name, dtype in dtypes.items())
+    assert_same(kernels, reference, pool_rtol=2.0**-7)  # one bf16 rounding apart
     for name, before in pools.items():
         if name.startswith("state"):
             np.testing.assert_array_equal(kernels[1][name][[0, 2, 4, 5]], before[[0, 2, 4, 5]])
             assert not np.array_equal(kernels[1][name][[1, 3]], before[[1, 3]])
-
-
-def run_eager_plan(runner: KimiRunner, pools: dict, plan: str, requests: list) -> tuple:
-    with runner.guard.allowed("test pools"):
-        runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
-    out = runner.run_eager(requests, plan=plan)
-    return out, {n: np.asarray(p) for n, p in runner.pools.items()}
 
 
 def test_a_mixed_step_runs_its_decode_rows_on_the_decode_route(runner):
