@@ -6,7 +6,8 @@
 Every EngineConfig field is a flag (``--max-num-seqs`` for ``max_num_seqs``); ``--help`` explains
 each with the comment that documents the field. The server answers 503 while the model loads and
 compiles, prints one "ready" line, then serves. SIGTERM (or Ctrl-C) stops accepting requests,
-finishes the ones in flight, then exits.
+finishes the ones in flight (up to ``--shutdown-timeout`` seconds), then exits 0; an engine
+failure exits 1 (``tokenspeed_jax/server/launch.py``).
 """
 
 from __future__ import annotations
@@ -15,20 +16,14 @@ import argparse
 import dataclasses
 import inspect
 import logging
-import os
 import re
 import sys
-import threading
 import types
 import typing
 
-import uvicorn
-
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
-from tokenspeed_jax.server.app import ServerState, create_app
+from tokenspeed_jax.server.launch import serve
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Short spellings other servers use for the same settings.
 FLAG_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
@@ -97,20 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def usage_hint(config: EngineConfig, model_name: str) -> str:
-    url = f"http://{config.host}:{config.port}"
-    return (
-        f"serving {model_name!r} at {url}\n"
-        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
-        f"\"content\": \"Hello!\"}}]}}'\n"
-        f"  python -c \"import openai; c = openai.OpenAI(base_url='{url}/v1', api_key='x'); "
-        f"print(c.chat.completions.create(model='{model_name}', "
-        f"messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)\"\n"
-        f"  metrics: {url}/metrics   health: {url}/health"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     log_level = args.pop("log_level")
@@ -120,38 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    name = config.served_model_name or (
-        os.path.basename(os.path.normpath(config.model)) if config.model else DEFAULT_MODEL_NAME
-    )
-    state = ServerState(served_model_name=name)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                                           log_level=log_level))
-    failure: list[BaseException] = []
-
-    def start_engine() -> None:
-        try:
-            bundle = build_engine(config)
-        except Exception as error:  # noqa: BLE001 - start-up failure is fatal: stop the server
-            failure.append(error)
-            server.should_exit = True
-            return
-        engine = AsyncEngine(bundle.engine)
-        engine.start()
-        state.runner_stats = bundle.runner.stats
-        state.engine = engine
-        summary = bundle.compile_summary
-        print(f"ready: {summary.num_executables} executables in {bundle.seconds:.1f}s "
-              f"({summary.describe()}; {bundle.engine.block_manager.num_pages} KV pages of "
-              f"{config.page_size} tokens)", flush=True)
-        print(usage_hint(config, name), flush=True)
-
-    print(f"loading {name} and compiling (the API answers 503 until ready) ...", flush=True)
-    threading.Thread(target=start_engine, name="engine-start", daemon=True).start()
-    server.run()
-    if failure:
-        print(f"start-up failed: {failure[0]!r}", file=sys.stderr)
-        return 1
-    return 0
+    return serve(config, log_level=log_level)
 
 
 if __name__ == "__main__":

@@ -8,67 +8,18 @@ the plain dense-cache reference generator, never from the server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, running_server
 
-from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
-from tokenspeed_jax.models.loader import load_model
-from tokenspeed_jax.reference import ReferenceGenerator
-from tokenspeed_jax.sampling_params import SamplingParams
-from tokenspeed_jax.server.app import ServerState, create_app
-
-MODEL_DIR = "tests/golden/tiny_llama"
-MODEL_NAME = "tiny"
-CONFIG = EngineConfig(
-    model=MODEL_DIR,
-    served_model_name=MODEL_NAME,
-    max_model_len=96,
-    num_pages=24,
-    page_size=8,
-    max_num_seqs=8,
-    prefill_graph_max_tokens=64,
-    prefill_graph_capture_token_sizes=(32, 64),
-    prefill_graph_capture_batch_sizes=(4,),
-    decode_graph_capture_batch_sizes=(8,),
-    compile_progress=False,
-    overlap_schedule="on",  # "auto" may or may not run ahead on a CPU; these tests need it to
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(state: ServerState):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise TimeoutError("server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+from tokenspeed_jax.server.app import ServerState
 
 
 @pytest.fixture(scope="module")
@@ -79,25 +30,7 @@ def server():
     state = ServerState(MODEL_NAME, engine, bundle.runner.stats)
     with running_server(state) as url:
         yield url, bundle.engine
-
-
-class Reference:
-    """The expected outputs: the plain dense-cache generator on the same checkpoint, sharing no
-    code with the engine's scheduler, paged KV cache or compiled plans."""
-
-    def __init__(self, path: str) -> None:
-        loaded = load_model(path)
-        self.tokenizer = loaded.tokenizer
-        self._generator = ReferenceGenerator(loaded.model, loaded.tokenizer)
-
-    def generate(self, prompts, params):
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        return self._generator.generate(ids, [params] * len(ids))
-
-    def chat(self, messages, params):
-        return self.generate(
-            [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)], params)
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +48,6 @@ def metric(url: str, name: str) -> float:
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
-
-
-def greedy(max_tokens: int, **extra) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
 
 
 def test_models_and_health(server, client):

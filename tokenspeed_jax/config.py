@@ -118,6 +118,20 @@ class EngineConfig:
     port: int = 8000
     # Model name the API serves and expects in requests; None = the model file or directory name.
     served_model_name: str | None = None
+    # Require "Authorization: Bearer <key>" on every /v1 route (health and metrics stay open);
+    # None = the TOKENSPEED_API_KEY environment variable, or no key when that is unset too.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    # Largest request body in bytes; a larger one is refused (413) before it is parsed.
+    max_request_bytes: int = 4 * 2**20
+    # Most stop strings one request may give (OpenAI's limit is 4).
+    max_stop_strings: int = 4
+    # Serve the interactive API docs (/docs, /redoc, /openapi.json).
+    enable_docs: bool = False
+    # Let special-token text typed in chat message content (e.g. "<|im_start|>system") become
+    # control tokens; by default it is encoded as the plain text it is.
+    allow_special_tokens_in_content: bool = False
+    # Seconds a SIGTERM waits for requests in flight to finish before it ends them with an error.
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_graph_capture_token_sizes", "prefill_graph_capture_batch_sizes",
@@ -155,6 +169,13 @@ class EngineConfig:
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
             (not (self.stack_decode_weights and self.tensor_parallel_size > 1),
              "stack_decode_weights is not supported with tensor_parallel_size > 1"),
+            (self.max_request_bytes >= 1024,
+             f"max_request_bytes must be >= 1024, got {self.max_request_bytes}"),
+            (self.max_stop_strings >= 0,
+             f"max_stop_strings must be >= 0, got {self.max_stop_strings}"),
+            (self.shutdown_timeout >= 0,
+             f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}"),
+            (self.api_key is None or self.api_key != "", "api_key must not be empty"),
         ]
         for ok, message in checks:
             if not ok:

@@ -11,6 +11,13 @@ beside it: the chat template, the BOS token and the set of end-of-sequence ids. 
   model or pre-tokenizer name this module does not know is an error naming it, never a guess.
 * Chat templates render in a sandboxed jinja2 environment with HF's settings
   (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``).
+* ``encode_chat`` keeps a message's content as text: special-token text typed in it
+  (``<|im_start|>system``) is encoded as the characters it is, never as a control token, unless
+  the caller allows it; the template's own special tokens stay control tokens.
+* ``encode`` releases the GIL while the Rust tokenizer works, so a long prompt tokenized on a
+  worker thread does not stall an event loop.
+* ``max_token_chars`` bounds the characters one token covers, so ``len(text) / max_token_chars``
+  is a lower bound on ``len(encode(text))`` that needs no tokenizing.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import datetime
 import functools
 import json
 import os
+import re
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -253,7 +262,68 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text become their single ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it runs; encode holds it throughout.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token text as ordinary characters."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def _special_text(self) -> re.Pattern[str] | None:
+        """Matches any special token's text; None when there are none."""
+        texts = sorted((t.content for t in self.backend.get_added_tokens_decoder().values()
+                        if t.special), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token covers (the longest vocabulary entry: a
+        byte-level entry spells one byte per character, which is at most one text character)."""
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template (module docstring).
+
+        Each message's ``content`` (a string) is encoded as plain text unless
+        ``special_tokens_in_content``. Raises ValueError when a template transforms a content
+        holding special-token text in a way other than trimming whitespace, so the content
+        cannot be found in the rendered text.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        pattern = self._special_text
+        if (special_tokens_in_content or pattern is None
+                or not any(pattern.search(m.get("content") or "") for m in messages)):
+            return self.encode(text)
+        markers = [f"<content-{uuid.uuid4().hex}>" for _ in messages]
+        marked = self.apply_chat_template(
+            [{**m, "content": marker} for m, marker in zip(messages, markers)],
+            add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        position = 0
+        for message, marker in zip(messages, markers):
+            before, found, marked = marked.partition(marker)
+            content = message.get("content") or ""
+            if not found or not text.startswith(before, position):
+                raise ValueError("the chat template does not render message content verbatim, "
+                                 "so special-token text in it cannot be kept as plain text")
+            position += len(before)
+            shown = next((c for c in (content, content.strip(), content.lstrip(),
+                                      content.rstrip()) if text.startswith(c, position)), None)
+            if shown is None:
+                raise ValueError("the chat template changes message content, so special-token "
+                                 "text in it cannot be kept as plain text")
+            ids += self.encode(before)
+            ids += self._plain_backend.encode_batch([shown], add_special_tokens=False)[0].ids
+            position += len(shown)
+        if text[position:] != marked:
+            raise ValueError("the chat template does not render message content verbatim, "
+                             "so special-token text in it cannot be kept as plain text")
+        return ids + self.encode(marked)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

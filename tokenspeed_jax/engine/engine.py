@@ -20,14 +20,19 @@ measures again. The choice never changes a token (tested), only when steps are l
 
 ``AsyncEngine`` runs that loop in one background thread and streams each request's outputs to
 an asyncio consumer; request-side host work (HTTP, tokenisation, JSON) runs on the event loop
-while the engine thread waits on the device.
+while the engine thread waits on the device. Faults stay with their cause: anything that goes
+wrong while adding one request fails that request alone (a ``ValueError`` is its caller's bad
+input) and the loop goes on; a failure of a step, which belongs to no single request, stops the
+loop: it logs the traceback once, ends every request in flight with ``EngineDeadError``, reports
+itself dead (``alive``) and calls ``on_failure`` so its owner can exit.
 
 Invariants:
 
 * Only the engine thread touches ``Engine``; the asyncio side talks to it through a queue.
-* A request is validated before it is accepted (prompt within the context length, unique id);
-  once accepted it always ends with exactly one output that has ``finished`` set, whether it
-  stopped, ran out of length, was aborted or the engine failed.
+* A request is validated before it is accepted (prompt within the context length and the
+  vocabulary, sampling settings within the vocabulary, unique id); once accepted it always ends
+  with exactly one output that has ``finished`` set, whether it stopped, ran out of length, was
+  aborted or the engine failed.
 * ``max_model_len`` never exceeds what the KV pages can hold, so one request alone always fits
   and preemption can always make progress.
 * A hybrid model (Kimi-Linear: recurrent KDA state beside a paged latent cache) runs on
@@ -45,7 +50,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from tokenspeed_jax import parallel
@@ -82,8 +87,9 @@ class _Tracked:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of the ``index``-th of ``n`` samples: n=1, and its own seed when seeded."""
-    seed = None if params.seed is None else params.seed + index
+    """The params of the ``index``-th of ``n`` samples: n=1, and its own seed when seeded (the
+    sampler reads seeds modulo 2**64, so the largest seeds wrap around)."""
+    seed = None if params.seed is None else (params.seed + index) % 2**64
     return dataclasses.replace(params, n=1, seed=seed)
 
 
@@ -152,6 +158,17 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError unless ``params``' token-valued settings lie within the vocabulary
+        (``SamplingParams`` checked everything else when it was made)."""
+        vocab = self.tokenizer.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab} (0 or -1 = off), "
+                             f"got {params.top_k}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary of {vocab}")
+
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
@@ -161,6 +178,7 @@ class Engine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
+        self.check_params(params)
         request = Request(request_id, list(prompt_token_ids), params.with_random_seed())
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                              stop=params.stop)
@@ -246,8 +264,9 @@ class Engine:
 
         Every prompt is checked before any is admitted, so a bad one leaves nothing in flight.
         """
-        for prompt_ids, _ in prompts:
+        for prompt_ids, params in prompts:
             self.check_prompt(prompt_ids)
+            self.check_params(params)
         ids = []
         for i, (prompt_ids, params) in enumerate(prompts):
             children = [f"generate-{id(self)}-{i}-{j}" for j in range(params.n)]
@@ -550,11 +569,20 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; every request in flight ends with this error."""
 
 
-class AsyncEngine:
-    """Runs ``Engine.step`` in a background thread; ``generate`` streams one request's outputs."""
+class RequestCancelledError(RuntimeError):
+    """The engine's owner ended a request before it finished (``AsyncEngine.cancel_all``)."""
 
-    def __init__(self, engine: Engine):
+
+class AsyncEngine:
+    """Runs ``Engine.step`` in a background thread; ``generate`` streams one request's outputs.
+
+    ``on_failure`` is called once, on the engine thread, with the error that stopped the loop.
+    """
+
+    def __init__(self, engine: Engine,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_failure = on_failure
         self._inbox: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -574,24 +602,33 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests being streamed to a consumer."""
+        return len(self._streams)
+
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving early (or cancellation) aborts the request."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+        """Stream a request's outputs; leaving early (or cancellation) aborts the request.
+
+        Raises ValueError when the engine refuses the request, ``EngineDeadError`` when the loop
+        failed, ``RequestCancelledError`` when ``cancel_all`` ended it."""
         self.engine.check_prompt(prompt_token_ids)
+        self.engine.check_params(params)
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._send("add", request_id, list(prompt_token_ids), params)
         finished = False
         try:
+            # Checked once the stream is registered: a loop that fails from here on delivers
+            # its error to this stream, one that failed before is seen here.
+            if self.error is not None:
+                raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+            self._send("add", request_id, list(prompt_token_ids), params)
             while not finished:
                 item = await outputs.get()
-                if isinstance(item, ValueError):
-                    raise item
                 if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine loop failed: {item!r}") from item
+                    raise item
                 finished = item.finished
                 yield item
         finally:
@@ -601,6 +638,11 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
+
+    def cancel_all(self, reason: str) -> None:
+        """End every request in flight now with ``RequestCancelledError(reason)``."""
+        for request_id in list(self._streams):
+            self._deliver(request_id, RequestCancelledError(reason))
 
     def _send(self, kind: str, *args) -> None:
         self._inbox.put((kind, args))
@@ -624,6 +666,9 @@ class AsyncEngine:
                     self.engine.add_request(*args)
                 except ValueError as error:
                     self._deliver(request_id, error)
+                except Exception as error:
+                    logger.exception("could not add request %s", request_id)
+                    self._deliver(request_id, RuntimeError(f"the request failed: {error!r}"))
             else:
                 output = self.engine.abort(args[0])
                 if output is not None:
@@ -642,8 +687,12 @@ class AsyncEngine:
                     continue
                 for output in engine.step():
                     self._deliver(output.request_id, output)
-        except BaseException as error:  # every stream must learn the loop died
+        except BaseException as error:
+            logger.critical("the engine loop failed; ending every request in flight",
+                            exc_info=error)
             self.error = error
+            dead = EngineDeadError(f"the engine loop failed: {error!r}")
             for request_id in list(self._streams):
-                self._deliver(request_id, error)
-            raise
+                self._deliver(request_id, dead)
+            if self.on_failure is not None:
+                self.on_failure(error)

@@ -6,11 +6,18 @@ One path for every generation request: validate the body (pydantic), turn it int
 
 Invariants:
 
-* Until the engine is attached (start-up compilation) every API route answers 503.
+* Until the engine is attached (start-up compilation), once it has stopped, and while the server
+  drains for shutdown, every API route answers 503.
 * A client that disconnects, mid-stream or while waiting for a full response, aborts its engine
   requests, so their KV pages are freed at the next engine step.
 * Bad input is answered with a 4xx in the one error shape of ``errors``; it never reaches the
-  engine loop, so other requests are unaffected.
+  engine loop, so other requests are unaffected. A request that fails after it started fails
+  alone: a stream ends with an error event and ``[DONE]``, a full response is an error.
+* Prompts are rendered and tokenized on a worker thread (the tokenizer releases the GIL), so a
+  long prompt never stalls the event loop, health checks or other streams.
+* ``RequestGuard`` checks the API key and the body size before anything is parsed; the
+  interactive docs are served only with ``enable_docs``.
+* The app serves the engine but does not own it: whoever started the engine shuts it down.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,11 +36,18 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from tokenspeed_jax.engine.engine import AsyncEngine, child_params
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestCancelledError,
+    child_params,
+)
 from tokenspeed_jax.engine.request import RequestOutput
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.server import translate
-from tokenspeed_jax.server.errors import APIError, install_error_handlers
+from tokenspeed_jax.server.errors import APIError, error_body, install_error_handlers
+from tokenspeed_jax.server.guards import RequestGuard, resolve_api_key
 from tokenspeed_jax.server.metrics import ServerMetrics
 from tokenspeed_jax.server.protocol import (
     ChatCompletionRequest,
@@ -40,16 +56,20 @@ from tokenspeed_jax.server.protocol import (
     ModelList,
 )
 
+logger = logging.getLogger(__name__)
+
 DISCONNECT_POLL_SECONDS = 0.2
 
 
 @dataclasses.dataclass
 class ServerState:
-    """What the routes serve from; ``engine`` stays None while the model compiles."""
+    """What the routes serve from; ``engine`` stays None while the model compiles, and
+    ``draining`` turns new requests away while the server shuts down."""
 
     served_model_name: str
     engine: AsyncEngine | None = None
     runner_stats: Callable[[], dict] | None = None
+    draining: bool = False
 
 
 @dataclasses.dataclass
@@ -64,18 +84,19 @@ class _Choice:
     first_token: float | None = None
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, config: EngineConfig | None = None) -> FastAPI:
+    """The app serving ``state``, with the serving settings of ``config`` (limits, API key,
+    docs, special tokens in content; the defaults when None)."""
+    config = config or EngineConfig()
     metrics = ServerMetrics(lambda: _gauges(state))
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        if state.engine is not None:
-            await asyncio.to_thread(state.engine.shutdown)
-
-    app = FastAPI(title="tokenspeed_jax", lifespan=lifespan)
+    docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None,
+                                          "openapi_url": None}
+    app = FastAPI(title="tokenspeed_jax", **docs)
     app.state.server = state
     app.state.metrics = metrics
+    app.add_middleware(RequestGuard, max_request_bytes=config.max_request_bytes,
+                       api_key=resolve_api_key(config.api_key))
     install_error_handlers(app)
 
     def ready_engine(model: str | None = None) -> AsyncEngine:
@@ -84,6 +105,8 @@ def create_app(state: ServerState) -> FastAPI:
                            "the server is starting (compiling executables); retry shortly")
         if not state.engine.alive:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine has stopped")
+        if state.draining:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
         if model is not None and model != state.served_model_name:
             raise APIError(HTTPStatus.NOT_FOUND,
                            f"the model {model!r} does not exist; this server serves "
@@ -109,8 +132,9 @@ def create_app(state: ServerState) -> FastAPI:
                        id_prefix: str, prompt_field: str):
         engine = ready_engine(body.model)
         tokenizer = engine.engine.tokenizer
-        prompts = prompts_of(tokenizer, body)
-        params = params_of(body)
+        params = params_of(body, config.max_stop_strings)
+        prompts = await asyncio.to_thread(prompts_of, tokenizer, body,
+                                          max_model_len=engine.engine.max_model_len)
         formatter = formatter_type(
             f"{id_prefix}-{uuid.uuid4().hex}", state.served_model_name, tokenizer, body
         )
@@ -119,10 +143,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await generate(
-            body, request, lambda tokenizer, body: [translate.chat_prompt_ids(tokenizer, body)],
-            translate.chat_params, translate.ChatFormatter, "chatcmpl", "messages",
-        )
+        prompts_of = functools.partial(
+            translate.chat_prompt_ids,
+            special_tokens_in_content=config.allow_special_tokens_in_content)
+        return await generate(body, request, prompts_of, translate.chat_params,
+                              translate.ChatFormatter, "chatcmpl", "messages")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -174,6 +199,11 @@ def _gauges(state: ServerState) -> dict[str, tuple[str, float]]:
 def _start(
     engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, param_name: str
 ) -> list[_Choice]:
+    try:
+        engine.engine.check_params(params)
+    except ValueError as error:
+        raise APIError(HTTPStatus.BAD_REQUEST, str(error),
+                       param=str(error).split(" ", 1)[0]) from error
     choices = []
     for i, prompt_ids in enumerate(prompts):
         try:
@@ -230,13 +260,25 @@ async def _merged(
             if event is None:
                 remaining -= 1
             elif isinstance(event, Exception):
-                raise event
+                raise _api_error(event) from event
             else:
                 yield event
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _api_error(error: Exception) -> APIError:
+    """The client-facing error of a request that failed after it started."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, (EngineDeadError, RequestCancelledError)):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(error))
+    if isinstance(error, ValueError):  # the engine refused the request's input
+        return APIError(HTTPStatus.BAD_REQUEST, str(error))
+    logger.error("request failed: %r", error)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "internal server error")
 
 
 async def _respond(
@@ -277,15 +319,22 @@ async def _collect(events, formatter, choices: list[_Choice], usage_prompt: int)
 
 
 async def _sse(events, formatter, choices: list[_Choice], usage_prompt: int):
+    """Server-Sent Events of a stream; a failure mid-stream is one error event, then
+    ``[DONE]``."""
     completion_tokens = 0
-    async with contextlib.aclosing(events):
-        for chunk in formatter.opening([c.index for c in choices]):
-            yield _event(chunk)
-        async for choice, output in events:
-            completion_tokens += len(output.new_token_ids)
-            chunk = formatter.chunk(choice.index, output)
-            if chunk is not None:
+    try:
+        async with contextlib.aclosing(events):
+            for chunk in formatter.opening([c.index for c in choices]):
                 yield _event(chunk)
+            async for choice, output in events:
+                completion_tokens += len(output.new_token_ids)
+                chunk = formatter.chunk(choice.index, output)
+                if chunk is not None:
+                    yield _event(chunk)
+    except APIError as error:
+        yield _event(error_body(error.status, error.message, error.param, error.code))
+        yield "data: [DONE]\n\n"
+        return
     if formatter.include_usage:
         yield _event(formatter.usage_chunk(usage_prompt, completion_tokens))
     yield "data: [DONE]\n\n"

@@ -1,12 +1,13 @@
 """One error shape for every failure the HTTP layer reports, OpenAI style.
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}`` with a matching HTTP
-status. Request validation failures (malformed JSON, unknown or ill-typed fields) are 400, never
+status, all its text escaped to ASCII. Request validation failures (malformed JSON, unknown or ill-typed fields) are 400, never
 FastAPI's 422. A 500 never carries exception text or a traceback.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "invalid_request_error",
     HTTPStatus.NOT_FOUND: "not_found_error",
     HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
@@ -56,8 +58,16 @@ def error_body(
     }
 
 
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote a client's text,
+    which may hold characters (lone surrogates) that UTF-8 cannot encode."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(
+    return _ASCIIJSONResponse(
         error_body(error.status, error.message, error.param, error.code),
         status_code=error.status,
     )
@@ -74,6 +84,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON", None
     if first.get("type") == "extra_forbidden":
         return f"unknown field {param!r}", param
+    if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])
+        return (f"{param}: {message}" if param else message), param
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 

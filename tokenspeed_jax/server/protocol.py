@@ -2,15 +2,17 @@
 
 Request fields follow the order of OpenAI's API reference; engine-only extras (vLLM-style) sit in
 a labelled block after them. Requests forbid unknown fields, so a typo is a 400 rather than a
-silently ignored knob. Responses are plain models serialised as-is.
+silently ignored knob, and a body whose text is not valid Unicode (a lone surrogate from a
+``\\udXXX`` escape) is a 400 before any of it reaches a tokenizer. Responses are plain models
+serialised as-is.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def _unix_time() -> int:
@@ -18,8 +20,44 @@ def _unix_time() -> int:
     return int(time.time())
 
 
+MAX_STOP_TOKEN_IDS = 256  # each generated token is checked against every one of them
+
+
+def _first_lone_surrogate(value: Any) -> str | None:
+    """The path of the first string (or key) in a JSON value holding a lone surrogate, which
+    JSON's ``\\udXXX`` escapes can produce but no tokenizer or UTF-8 encoder accepts."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                where = f"{path}.{key}" if path else str(key)
+                stack += [(where, key), (where, child)]
+        elif isinstance(item, list):
+            stack += [(f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item)]
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Body(_Request):
+    """A whole request body: its text must be valid Unicode (no lone surrogates)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = _first_lone_surrogate(data)
+        if path is not None:
+            raise ValueError(f"{path or 'the body'} holds a lone surrogate, which is not valid "
+                             f"Unicode text")
+        return data
 
 
 class StreamOptions(_Request):
@@ -44,7 +82,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     frequency_penalty: float = 0.0
@@ -65,12 +103,12 @@ class ChatCompletionRequest(_Request):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     add_generation_prompt: bool = True
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_Body):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     frequency_penalty: float = 0.0
@@ -89,7 +127,7 @@ class CompletionRequest(_Request):
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
 
 

@@ -1,13 +1,18 @@
 """Pure conversions between wire objects and the engine: prompts, sampling params, responses.
 
 Nothing here touches the engine or the network, so each conversion is testable alone. Bad values
-raise ``APIError`` (400) naming the field.
+raise ``APIError`` (400) naming the field. Caps hold before any costly work: a request asks for at
+most ``MAX_CHOICES`` completions (prompts x n), gives at most ``max_stop_strings`` stop strings of
+at most ``MAX_STOP_CHARS`` characters, and a text that cannot fit the context even at the
+tokenizer's most characters per token is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
 from http import HTTPStatus
 from typing import Protocol
+
+import jinja2
 
 from tokenspeed_jax.engine.request import RequestOutput, TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -31,10 +36,19 @@ from tokenspeed_jax.server.protocol import (
 )
 from tokenspeed_jax.tokenizer import Tokenizer
 
+MAX_CHOICES = 128  # completions one request may ask for: prompts x n (OpenAI's n <= 128)
+MAX_STOP_CHARS = 1024  # characters of one stop string
+
 
 def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-            logprobs: int | None) -> SamplingParams:
+            logprobs: int | None, max_stop_strings: int) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > max_stop_strings:
+        raise APIError(HTTPStatus.BAD_REQUEST, f"stop holds {len(stop)} strings; this server "
+                       f"takes at most {max_stop_strings}", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(HTTPStatus.BAD_REQUEST, f"a stop string is longer than {MAX_STOP_CHARS} "
+                       "characters", param="stop")
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 1 << 30,
@@ -52,37 +66,57 @@ def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
             n=body.n,
             logprobs=logprobs,
         )
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         param = str(error).split(" ", 1)[0]
         raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=param) from error
 
 
-def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, max_stop_strings: int) -> SamplingParams:
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs=true",
                        param="top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _params(body, max_tokens, logprobs)
+    return _params(body, max_tokens, logprobs, max_stop_strings)
 
 
-def completion_params(body: CompletionRequest) -> SamplingParams:
-    return _params(body, body.max_tokens, body.logprobs)
+def completion_params(body: CompletionRequest, max_stop_strings: int) -> SamplingParams:
+    return _params(body, body.max_tokens, body.logprobs, max_stop_strings)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+def check_fits(tokenizer: Tokenizer, chars: int, max_model_len: int, param: str) -> None:
+    """Refuse text of ``chars`` characters that cannot fit ``max_model_len`` tokens, without
+    tokenizing it (at least chars / ``max_token_chars`` tokens)."""
+    if chars > max_model_len * tokenizer.max_token_chars:
+        raise APIError(HTTPStatus.BAD_REQUEST,
+                       f"the {param} text ({chars} characters) cannot fit this model's context "
+                       f"length of {max_model_len} tokens", param=param,
+                       code="context_length_exceeded")
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, *, max_model_len: int,
+                    special_tokens_in_content: bool) -> list[list[int]]:
+    """The one prompt of a chat request; special-token text in message content stays text
+    unless ``special_tokens_in_content``."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    # every chat template renders at least one token per message (its role marker)
+    check_fits(tokenizer, sum(len(m["content"]) for m in messages), max_model_len, "messages")
+    if len(messages) > max_model_len:
+        raise APIError(HTTPStatus.BAD_REQUEST, f"{len(messages)} messages cannot fit this "
+                       f"model's context length of {max_model_len} tokens", param="messages",
+                       code="context_length_exceeded")
     try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt
-        )
-    except ValueError as error:
-        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param="messages") from error
-    return tokenizer.encode(text, add_special_tokens=False)
+        return [tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                      special_tokens_in_content=special_tokens_in_content)]
+    except (ValueError, TypeError, jinja2.TemplateError) as error:
+        raise APIError(HTTPStatus.BAD_REQUEST, f"the chat template cannot render these "
+                       f"messages: {error}", param="messages") from error
 
 
-def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list[list[int]]:
+def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest, *,
+                          max_model_len: int) -> list[list[int]]:
+    """The prompts of a completion request (a string, token ids, or a list of either)."""
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -92,11 +126,23 @@ def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list
         prompts = list(prompt)
     if not prompts:
         raise APIError(HTTPStatus.BAD_REQUEST, "prompt must not be empty", param="prompt")
+    check_choices(len(prompts), body.n)
+    for p in prompts:
+        if isinstance(p, str):
+            check_fits(tokenizer, len(p), max_model_len, "prompt")
     ids = [tokenizer.encode(p) if isinstance(p, str) else list(p)
            for p in prompts]
     if any(not p for p in ids):
         raise APIError(HTTPStatus.BAD_REQUEST, "prompt must not be empty", param="prompt")
     return ids
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    """Refuse a request for more than ``MAX_CHOICES`` completions."""
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(HTTPStatus.BAD_REQUEST,
+                       f"{num_prompts} prompts x n={n} asks for more than {MAX_CHOICES} "
+                       f"completions in one request", param="n" if num_prompts == 1 else "prompt")
 
 
 class Formatter(Protocol):
