@@ -24,11 +24,12 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
+from tokenspeed_jax.engine.engine import AsyncEngine, Engine, build_engine
 from tokenspeed_jax.models.loader import load_model
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.server.app import ServerState, create_app
+from tokenspeed_jax.tokenizer import Tokenizer
 
 MODEL_DIR = "tests/golden/tiny_llama"
 MODEL_NAME = "tiny"
@@ -367,3 +368,25 @@ def test_starting_server_answers_503_and_is_not_ready():
         response = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "service_unavailable"
+
+
+class LostDeviceRunner:
+    """A runner whose device is gone: every launch fails, and so the engine loop dies."""
+
+    def launch(self, batch):
+        raise RuntimeError("the device is gone")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_ready_drops_to_0_when_the_engine_loop_dies():
+    engine = AsyncEngine(Engine(LostDeviceRunner(), Tokenizer.from_hf_dir(MODEL_DIR),
+                                num_pages=4, page_size=8, max_num_seqs=1,
+                                max_num_batched_tokens=32, max_model_len=32))
+    engine.start()
+    with running_server(ServerState(MODEL_NAME, engine)) as url:
+        assert metric(url, "tokenspeed_ready") == 1
+        response = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2})
+        assert response.status_code == 500
+        assert metric(url, "tokenspeed_ready") == 0
+        assert httpx.get(url + "/health").status_code == 503
