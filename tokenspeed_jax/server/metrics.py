@@ -15,6 +15,8 @@ Invariants:
   added without being classified) is exposed as a gauge named after its key: a gauge promises
   nothing, so a level is never misread as a counter. Statistics that are not numbers are skipped.
 * Every metric name starts with ``tokenspeed_``; every counter's ends with ``_total``.
+  prometheus_client adds a ``_created`` gauge (creation time) beside each request-level counter
+  and histogram.
 """
 
 from __future__ import annotations
