@@ -16,11 +16,12 @@ import openai
 import pytest
 import tokenizers
 from test_llm import with_overlap
-from test_server import running_server
+from test_server import running_server, scrape
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.engine.engine import AsyncEngine
 from tokenspeed_jax.server.app import ServerState
+from tokenspeed_jax.server.metrics import COUNTERS, GAUGES
 from tokenspeed_jax.tokenizer import Tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -242,7 +243,7 @@ def test_a_request_taking_the_state_row_of_one_aborted_while_running_ahead_is_ex
     assert llm.stats()["state_slots_used"] == 0 and engine.block_manager.num_used_pages == 0
 
 
-def test_server_answers_a_chat_request(llm):
+def test_server_answers_a_chat_request_and_exposes_the_kda_metrics(llm):
     """Last in the module: the server's engine thread takes over ``llm.engine``."""
     messages = [{"role": "user", "content": "w10 w11 w12 w13"}]
     prompt_ids = llm.tokenizer.encode(llm.chat_prompts(messages)[0])
@@ -255,8 +256,17 @@ def test_server_answers_a_chat_request(llm):
             response = client.chat.completions.create(
                 model="tiny-kimi", messages=messages, max_tokens=6, temperature=0,
                 extra_body={"ignore_eos": True})
+            families = scrape(url)
     finally:
         engine.shutdown()
+    assert set(llm.stats()) <= COUNTERS.keys() | GAUGES.keys()  # each one a counter or a gauge
+    for kind, names in {
+        "counter": ("tokenspeed_kda_checkpoints_written", "tokenspeed_kda_checkpoint_hits",
+                    "tokenspeed_kda_state_restores", "tokenspeed_inline_runs",
+                    "tokenspeed_decode_runs"),
+        "gauge": ("tokenspeed_state_slots_used", "tokenspeed_state_slots_capacity"),
+    }.items():
+        assert [families[name].type for name in names] == [kind] * len(names)
     assert response.choices[0].message.content == expected.text
     assert response.usage.completion_tokens == 6
     assert response.usage.prompt_tokens == len(prompt_ids)

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, running_server
 
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
+from tokenspeed_jax.engine.engine import AsyncEngine, Engine, build_engine
 from tokenspeed_jax.server.app import ServerState
+from tokenspeed_jax.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +46,30 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
 
 
+def scrape(url: str) -> dict[str, Metric]:
+    """/metrics parsed: the metric families by name (a counter's without its ``_total``)."""
+    response = httpx.get(url + "/metrics")
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    return {family.name: family for family in text_string_to_metric_families(response.text)}
+
+
 def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
+    """The value of the unlabelled sample ``name`` on /metrics."""
+    values = [sample.value for family in scrape(url).values() for sample in family.samples
+              if sample.name == name and not sample.labels]
+    assert len(values) == 1, f"{name} missing from /metrics"
+    return values[0]
+
+
+def total(family: Metric) -> float:
+    """A counter family's value, summed over its labels (0 before any sample)."""
+    return sum(s.value for s in family.samples if s.name == family.name + "_total")
+
+
+def observations(family: Metric) -> float:
+    """A histogram family's count of observations."""
+    count, = (s.value for s in family.samples if s.name == family.name + "_count")
+    return count
 
 
 def test_models_and_health(server, client):
@@ -122,7 +144,7 @@ def test_32_concurrent_mixed_requests_match_llm_generate_under_preemption(server
     max_tokens = [int(rng.integers(1, 24)) for _ in range(32)]
     expected = [reference.generate([p], greedy(m, ignore_eos=True))[0].text
                 for p, m in zip(prompts, max_tokens)]
-    preemptions_before = metric(url, "tokenspeed_num_preemptions")
+    preemptions_before = metric(url, "tokenspeed_num_preemptions_total")
 
     async def one(http: httpx.AsyncClient, prompt, limit, stream):
         body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": limit, "temperature": 0,
@@ -143,7 +165,7 @@ def test_32_concurrent_mixed_requests_match_llm_generate_under_preemption(server
                                           for i, (p, m) in enumerate(zip(prompts, max_tokens))))
 
     assert asyncio.run(everything()) == expected
-    assert metric(url, "tokenspeed_num_preemptions") > preemptions_before
+    assert metric(url, "tokenspeed_num_preemptions_total") > preemptions_before
     assert metric(url, "tokenspeed_kv_pages_used") == 0
 
 
@@ -154,7 +176,7 @@ def test_disconnect_mid_stream_frees_pages(server):
     url, engine = server
     body = {"model": MODEL_NAME, "prompt": list(range(3, 8)), "max_tokens": 91,
             "ignore_eos": True, "stream": True}
-    overlapped_before = metric(url, "tokenspeed_engine_overlapped_steps")
+    overlapped_before = metric(url, "tokenspeed_engine_overlapped_steps_total")
     with httpx.Client(base_url=url, timeout=30) as http, \
             http.stream("POST", "/v1/completions", json=body) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -165,9 +187,9 @@ def test_disconnect_mid_stream_frees_pages(server):
     while metric(url, "tokenspeed_kv_pages_used") > 0 or engine.num_running:
         assert time.monotonic() < deadline, "aborted request kept its pages"
         time.sleep(0.05)
-    assert 'finish_reason="abort"' in httpx.get(url + "/metrics").text
-    assert metric(url, "tokenspeed_engine_overlapped_steps") > overlapped_before
-    assert metric(url, "tokenspeed_engine_decode_device_bound") in (0.0, 1.0)
+    requests = scrape(url)["tokenspeed_requests"]
+    assert {"finish_reason": "abort"} in [sample.labels for sample in requests.samples]
+    assert metric(url, "tokenspeed_engine_overlapped_steps_total") > overlapped_before
 
 
 @pytest.mark.parametrize(
@@ -211,35 +233,89 @@ def test_prefix_cache_hit_gives_the_same_tokens(server, reference):
     url, _ = server
     prompt = list(range(40, 75))
     expected = reference.generate([prompt], greedy(6, ignore_eos=True))[0].text
-    hits_before = metric(url, "tokenspeed_prefix_cache_hit_tokens")
+    hits_before = metric(url, "tokenspeed_prefix_cache_hit_tokens_total")
     texts = []
     for _ in range(2):
         response = httpx.post(url + "/v1/completions", json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0,
             "ignore_eos": True}, timeout=60)
         texts.append(response.json()["choices"][0]["text"])
-    assert metric(url, "tokenspeed_prefix_cache_hit_tokens") - hits_before >= 32
+    assert metric(url, "tokenspeed_prefix_cache_hit_tokens_total") - hits_before >= 32
     assert texts == [expected, expected]
 
 
-def test_metrics_count_requests_and_latencies(server):
+# What /metrics exposes for the dense runner, by type (counters without their _total).
+DENSE_COUNTERS = {
+    "tokenspeed_requests", "tokenspeed_prompt_tokens", "tokenspeed_generation_tokens",
+    "tokenspeed_engine_steps", "tokenspeed_engine_overlapped_steps", "tokenspeed_num_preemptions",
+    "tokenspeed_prefix_cache_query_tokens", "tokenspeed_prefix_cache_hit_tokens",
+    "tokenspeed_prefill_graph_runs", "tokenspeed_decode_graph_runs", "tokenspeed_eager_runs",
+    "tokenspeed_chunked_prefill_splits", "tokenspeed_request_splits", "tokenspeed_decode_splits",
+    "tokenspeed_mixed_splits", "tokenspeed_real_tokens", "tokenspeed_padded_tokens",
+    "tokenspeed_resample_runs", "tokenspeed_runtime_compiles", "tokenspeed_eager_compiles",
+}
+DENSE_GAUGES = {
+    "tokenspeed_ready", "tokenspeed_num_requests_running", "tokenspeed_num_requests_waiting",
+    "tokenspeed_kv_pages_used", "tokenspeed_kv_pages_capacity", "tokenspeed_kv_cache_usage_ratio",
+    "tokenspeed_prefix_cache_hit_rate", "tokenspeed_engine_decode_device_bound",
+    "tokenspeed_padding_waste",
+}
+HISTOGRAMS = {
+    "tokenspeed_time_to_first_token_seconds", "tokenspeed_time_per_output_token_seconds",
+    "tokenspeed_e2e_request_latency_seconds",
+}
+
+
+def test_metrics_counts_are_counters_that_grow_and_levels_are_gauges(server):
     url, _ = server
-    text = httpx.get(url + "/metrics").text
-    for name in ("tokenspeed_requests_total", "tokenspeed_time_to_first_token_seconds_count",
-                 "tokenspeed_time_per_output_token_seconds_count",
-                 "tokenspeed_e2e_request_latency_seconds_count", "tokenspeed_runtime_compiles",
-                 "tokenspeed_padding_waste", "tokenspeed_num_requests_waiting"):
-        assert re.search(rf"^{name}", text, re.MULTILINE), name
-    finished = sum(float(v) for v in re.findall(r"^tokenspeed_requests_total\{.*\} (\S+)$", text,
-                                                re.MULTILINE))
-    count = float(re.search(r"^tokenspeed_e2e_request_latency_seconds_count (\S+)$", text,
-                            re.MULTILINE).group(1))
-    assert finished == count > 0
+    before = scrape(url)
+    response = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": [11, 12, 13], "max_tokens": 4, "ignore_eos": True})
+    assert response.status_code == 200
+    after = scrape(url)
+    by_type: dict[str, set[str]] = {}
+    for name, family in after.items():
+        if not name.endswith("_created"):  # prometheus_client's creation times of its own metrics
+            by_type.setdefault(family.type, set()).add(name)
+    assert by_type == {"counter": DENSE_COUNTERS, "gauge": DENSE_GAUGES, "histogram": HISTOGRAMS}
+    for name in DENSE_COUNTERS:
+        assert total(after[name]) >= total(before[name]), name
+    for name in ("tokenspeed_requests", "tokenspeed_prompt_tokens", "tokenspeed_generation_tokens",
+                 "tokenspeed_engine_steps", "tokenspeed_real_tokens"):
+        assert total(after[name]) > total(before[name]), name
+    for name in HISTOGRAMS:  # the request had a first token and more after it
+        assert observations(after[name]) > observations(before[name]), name
+    assert (observations(after["tokenspeed_e2e_request_latency_seconds"])
+            == total(after["tokenspeed_requests"]))
+    assert after["tokenspeed_ready"].samples[0].value == 1
 
 
-def test_starting_server_answers_503():
+def test_starting_server_answers_503_and_is_not_ready():
     with running_server(ServerState(MODEL_NAME)) as url:
+        assert metric(url, "tokenspeed_ready") == 0
         assert httpx.get(url + "/health").status_code == 503
         response = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "service_unavailable"
+
+
+class LostDeviceRunner:
+    """A runner whose device is gone: every launch fails, and so the engine loop dies."""
+
+    def launch(self, batch):
+        raise RuntimeError("the device is gone")
+
+
+def test_ready_drops_to_0_when_the_engine_loop_dies():
+    engine = AsyncEngine(Engine(LostDeviceRunner(), Tokenizer.from_hf_dir(MODEL_DIR),
+                                num_pages=4, page_size=8, max_num_seqs=1,
+                                max_num_batched_tokens=32, max_model_len=32))
+    engine.start()
+    with running_server(ServerState(MODEL_NAME, engine)) as url:
+        assert metric(url, "tokenspeed_ready") == 1
+        response = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2})
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert metric(url, "tokenspeed_ready") == 0
+        assert httpx.get(url + "/health").status_code == 503

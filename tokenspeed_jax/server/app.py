@@ -34,7 +34,8 @@ from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.engine import (
@@ -48,7 +49,7 @@ from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.server import translate
 from tokenspeed_jax.server.errors import APIError, error_body, install_error_handlers
 from tokenspeed_jax.server.guards import RequestGuard, resolve_api_key
-from tokenspeed_jax.server.metrics import ServerMetrics
+from tokenspeed_jax.server.metrics import EngineReading, ServerMetrics
 from tokenspeed_jax.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,7 +89,7 @@ def create_app(state: ServerState, config: EngineConfig | None = None) -> FastAP
     """The app serving ``state``, with the serving settings of ``config`` (limits, API key,
     docs, special tokens in content; the defaults when None)."""
     config = config or EngineConfig()
-    metrics = ServerMetrics(lambda: _gauges(state))
+    metrics = ServerMetrics(lambda: _engine_reading(state))
 
     docs = {} if config.enable_docs else {"docs_url": None, "redoc_url": None,
                                           "openapi_url": None}
@@ -125,8 +126,8 @@ def create_app(state: ServerState, config: EngineConfig | None = None) -> FastAP
         return ModelList(data=[card])
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def generate(body, request: Request, prompts_of, params_of, formatter_type,
                        id_prefix: str, prompt_field: str):
@@ -159,41 +160,12 @@ def create_app(state: ServerState, config: EngineConfig | None = None) -> FastAP
     return app
 
 
-def _gauges(state: ServerState) -> dict[str, tuple[str, float]]:
+def _engine_reading(state: ServerState) -> EngineReading | None:
+    """What a /metrics scrape reads from the engine; None until it is attached."""
     if state.engine is None:
-        return {"tokenspeed_ready": ("1 once the engine serves requests.", 0.0)}
-    stats = state.engine.engine.stats()
-    queried = stats["prefix_query_tokens"]
-    gauges = {
-        "tokenspeed_ready": ("1 once the engine serves requests.", 1.0),
-        "tokenspeed_num_requests_running": ("Requests holding KV pages.", stats["num_running"]),
-        "tokenspeed_num_requests_waiting": ("Requests queued.", stats["num_waiting"]),
-        "tokenspeed_kv_pages_used": ("KV pages in use.", stats["kv_pages_used"]),
-        "tokenspeed_kv_pages_total": ("KV pages in the cache.", stats["kv_pages_total"]),
-        "tokenspeed_kv_cache_usage_ratio": (
-            "Fraction of KV pages in use.", stats["kv_pages_used"] / stats["kv_pages_total"]
-        ),
-        "tokenspeed_prefix_cache_hit_rate": (
-            "Prompt tokens served from the prefix cache / prompt tokens admitted.",
-            stats["prefix_hit_tokens"] / queried if queried else 0.0,
-        ),
-        "tokenspeed_prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache.",
-                                               stats["prefix_hit_tokens"]),
-        "tokenspeed_num_preemptions": ("Requests preempted by recompute.",
-                                       stats["num_preemptions"]),
-        "tokenspeed_engine_steps": ("Engine steps run.", stats["num_steps"]),
-        "tokenspeed_engine_overlapped_steps": (
-            "Decode steps launched before the previous step's tokens reached the host.",
-            stats["num_overlapped_steps"]),
-        "tokenspeed_engine_decode_device_bound": (
-            "1 while the last synchronous decode step found the device busy after its launch.",
-            stats["decode_device_bound"]),
-    }
-    if state.runner_stats is not None:
-        for key, value in state.runner_stats().items():
-            if isinstance(value, (int, float)):
-                gauges[f"tokenspeed_{key}"] = (f"Model runner statistic {key}.", float(value))
-    return gauges
+        return None
+    runner = state.runner_stats() if state.runner_stats is not None else {}
+    return EngineReading(state.engine.alive, {**runner, **state.engine.engine.stats()})
 
 
 def _start(

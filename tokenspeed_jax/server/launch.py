@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
+from tokenspeed_jax.engine.engine import AsyncEngine, EngineBundle, build_engine
 from tokenspeed_jax.server.app import ServerState, create_app
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -94,8 +94,10 @@ def served_name(config: EngineConfig) -> str:
     )
 
 
-def serve(config: EngineConfig, *, log_level: str = "warning") -> int:
-    """Serve until a signal or an engine failure; the process's exit status (module docstring)."""
+def serve(config: EngineConfig, *, log_level: str = "warning",
+          build: Callable[[EngineConfig], EngineBundle] = build_engine) -> int:
+    """Serve until a signal or an engine failure; the process's exit status (module docstring).
+    ``build`` makes the engine from ``config`` (on a thread, while the API answers 503)."""
     name = served_name(config)
     state = ServerState(served_model_name=name)
     failure: list[BaseException] = []
@@ -121,7 +123,7 @@ def serve(config: EngineConfig, *, log_level: str = "warning") -> int:
 
     def start_engine() -> None:
         try:
-            bundle = build_engine(config)
+            bundle = build(config)
         except Exception as error:  # noqa: BLE001 - start-up failure is fatal: stop the server
             fail(error)
             return
