@@ -181,6 +181,7 @@ def _kda(args: argparse.Namespace, cache_dir: str):
 
     from tokenspeed_jax.graph import Break, Call, Plan, PlanCompiler
     from tokenspeed_jax.graph.cache import ExecutableCache
+    from tokenspeed_jax.graph.trust import load_mac_key
 
     tokens, heads, dim, requests = (128, 2, 32, 2) if args.tiny else (2048, 32, 128, 8)
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -190,7 +191,7 @@ def _kda(args: argparse.Namespace, cache_dir: str):
                                                                    requests)):
         stage = Break(name.replace(" ", "_"), fn, names, ("o", "pool"), donate=("pool",))
         plans[name] = (Plan([Call(stage)], names, ("o", "pool")), stage.name, rows)
-    compiler = PlanCompiler(progress=False, cache=ExecutableCache(cache_dir),
+    compiler = PlanCompiler(progress=False, cache=ExecutableCache(cache_dir, load_mac_key()),
                             threads=args.compile_threads)
 
     def specs(rows: int) -> dict:
@@ -316,7 +317,7 @@ def bench_case(args: argparse.Namespace, case: str) -> dict:
     """The case's random checkpoint (if any), then a cold and a warm start on one cache."""
     with tempfile.TemporaryDirectory(prefix=f"startup-{case}-") as work:
         cache_dir, model_dir = Path(work) / "cache", None
-        cache_dir.mkdir()
+        cache_dir.mkdir(mode=0o700)  # the cache refuses a directory others may write
         write_s = None
         if _needs_checkpoint(args, case):
             model_dir = Path(work) / "model"

@@ -20,6 +20,7 @@ import pytest
 
 from tokenspeed_jax import cache as cache_cli
 from tokenspeed_jax.graph.cache import SUFFIX, ExecutableCache, package_source_hash
+from tokenspeed_jax.graph.trust import load_mac_key
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
@@ -201,7 +202,7 @@ def test_corrupt_entries_are_logged_recompiled_and_replaced(cold, tmp_path):
         assert result["stderr"].count("is unusable") == 2
         for path, digest in damaged.items():
             assert hashlib.sha256(path.read_bytes()).hexdigest() != digest  # replaced
-        infos = list(ExecutableCache(directory).scan(verify=True))
+        infos = list(ExecutableCache(directory, load_mac_key()).scan(verify=True))
         assert len(infos) == NUM_EXECUTABLES and all(i.problem is None for i in infos)
         return first, result
 
@@ -276,7 +277,7 @@ def test_two_processes_starting_at_once_on_an_empty_cache(cold, tmp_path):
         assert third["backend_compiles"] == 0 and third["loaded"] == NUM_EXECUTABLES
         assert third["outputs"] == cold[1]["outputs"]
         assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []
-        infos = list(ExecutableCache(directory).scan(verify=True))
+        infos = list(ExecutableCache(directory, load_mac_key()).scan(verify=True))
         assert len(infos) == NUM_EXECUTABLES and all(i.problem is None for i in infos)
         return [*results, third]
 
@@ -298,7 +299,7 @@ def test_cli_lists_verifies_and_clears(cold, tmp_path, capsys):
     _damage(broken, "flip")
     assert cache_cli.main(["verify", "--dir", str(directory), "--delete"]) == 1
     report = capsys.readouterr().out
-    assert "checksum mismatch" in report and "1 bad (deleted)" in report
+    assert "MAC mismatch" in report and "1 bad (deleted)" in report
     assert not broken.exists()
     assert cache_cli.main(["clear", "--dir", str(directory)]) == 0
     assert f"removed {NUM_EXECUTABLES - 1} entries" in capsys.readouterr().out

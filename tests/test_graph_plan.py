@@ -27,6 +27,7 @@ from tokenspeed_jax.graph import (
     run_eager,
     whole_forward,
 )
+from tokenspeed_jax.graph.trust import load_mac_key
 
 WIDTH = 8
 BUCKETS = (16, 32)
@@ -112,7 +113,7 @@ def test_copies_of_a_plan_have_their_own_executables_and_the_same_results(tmp_pa
     bit-equal results, whether the first was compiled or loaded from the cache; other buckets
     get none."""
     def compile_with_copies():
-        compiler = PlanCompiler(progress=False, cache=ExecutableCache(tmp_path))
+        compiler = PlanCompiler(progress=False, cache=ExecutableCache(tmp_path, load_mac_key()))
         for size, copies in ((16, 3), (32, 1)):
             compiler.add(f"rows={size}", PLAN,
                          {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)},

@@ -1,12 +1,16 @@
 """Inspect and manage the on-disk executable cache (``graph/cache.py``).
 
     python -m tokenspeed_jax.cache list   [--dir DIR]   # entries: segment, bucket, size, age
-    python -m tokenspeed_jax.cache verify [--dir DIR] [--delete]   # checksums + compatibility
+    python -m tokenspeed_jax.cache verify [--dir DIR] [--key-file FILE] [--delete]
+                                                        # MACs + compatibility
     python -m tokenspeed_jax.cache clear  [--dir DIR]
 
-``--dir`` defaults to the directory the server uses by default. ``verify`` exits 1 when an entry
-is corrupt or was built for another environment (``--delete`` removes those); ``list`` only
-reads headers and never imports an executable.
+``--dir`` and ``--key-file`` default to what the server uses by default. ``verify`` checks every
+entry's MAC with the key the server uses and exits 1 when an entry is corrupt, forged or was
+built for another environment (``--delete`` removes those); it never creates a key, so without
+one no entry verifies (and none is deleted). ``list`` only reads headers. No command
+deserializes an executable. A cache directory or key file the server would refuse
+(``graph/trust.py``) is refused here too (exit 2).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenspeed_jax.graph.cache import EntryInfo, ExecutableCache, default_cache_dir
+from tokenspeed_jax.graph.trust import CacheTrustError, default_key_file, load_mac_key
 
 
 def human_size(size: int) -> str:
@@ -52,10 +58,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("list", "verify", "clear"))
     parser.add_argument("--dir", default=default_cache_dir(), help="cache directory")
+    parser.add_argument("--key-file", default=default_key_file(),
+                        help="with verify: the MAC key file the server uses")
     parser.add_argument("--delete", action="store_true",
                         help="with verify: remove entries that fail")
     args = parser.parse_args(argv)
-    cache = ExecutableCache(args.dir)
+    directory = Path(args.dir).expanduser()
+    if not directory.is_dir():
+        print(f"no cache directory {directory}")
+        return 0
+    try:
+        mac_key = load_mac_key(args.key_file, create=False) if args.command == "verify" else None
+        cache = ExecutableCache(directory, mac_key)
+    except CacheTrustError as error:
+        print(f"refused: {error}", file=sys.stderr)
+        return 2
+    delete = args.command == "verify" and args.delete
+    if args.command == "verify" and mac_key is None:
+        print(f"no key file {args.key_file}: no entry can be verified (the first start that uses "
+              f"the cache creates one){'; nothing is deleted' if delete else ''}")
+        delete = False
     if args.command == "clear":
         print(f"removed {cache.clear()} entries from {cache.directory}")
         return 0
@@ -73,10 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
         if info.problem is not None:
             bad += 1
-            if args.command == "verify" and args.delete:
+            if delete:
                 info.path.unlink(missing_ok=True)
     if args.command == "verify":
-        print(f"{len(infos) - bad} ok, {bad} bad" + (" (deleted)" if bad and args.delete else ""))
+        print(f"{len(infos) - bad} ok, {bad} bad" + (" (deleted)" if bad and delete else ""))
         return 1 if bad else 0
     return 0
 

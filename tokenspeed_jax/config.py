@@ -88,6 +88,11 @@ class EngineConfig:
     # Directory of that cache; None = $XDG_CACHE_HOME/tokenspeed_jax/executables
     # (~/.cache/tokenspeed_jax/executables when XDG_CACHE_HOME is unset).
     compile_cache_dir: str | None = None
+    # File of the key that authenticates the cache's entries (an entry whose MAC fails is never
+    # loaded, but recompiled): 32 random bytes, private to this user (mode 0600), outside the
+    # cache directory; created on first use. None = $XDG_CONFIG_HOME/tokenspeed_jax/cache.key
+    # (~/.config/tokenspeed_jax/cache.key when XDG_CONFIG_HOME is unset).
+    compile_cache_key_file: str | None = None
     # XLA options for every executable compiled at start-up, each "name=value" (jax's
     # compiler_options; space-separated on the command line), e.g.
     # xla_gpu_command_buffer_scheduling_mode=SERIALIZE. Unlike XLA_FLAGS they reach only this

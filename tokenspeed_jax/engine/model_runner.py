@@ -115,6 +115,7 @@ from tokenspeed_jax.graph import (
 )
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
+from tokenspeed_jax.graph.trust import CacheTrustError, load_mac_key
 from tokenspeed_jax.kernels.attention import write_kv
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, choose_decode_kernel
 from tokenspeed_jax.kernels.paged_decode import decode_attention_step
@@ -170,11 +171,17 @@ SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (au
 def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
                     mesh: Any) -> PlanCompiler:
     """The ``PlanCompiler`` of a runner built from ``config``: its progress bar, executable
-    cache, XLA options and threads."""
-    cache_dir = config.compile_cache_path
+    cache, XLA options and threads. A cache directory or key file that cannot be trusted
+    (``graph/trust.py``) is fatal: ``CacheTrustError`` naming the flags that choose others."""
+    cache_dir, cache = config.compile_cache_path, None
+    if cache_dir:
+        try:
+            cache = ExecutableCache(cache_dir, load_mac_key(config.compile_cache_key_file))
+        except CacheTrustError as error:
+            raise CacheTrustError(f"{error} (--compile-cache-dir, --compile-cache-key-file; "
+                                  f"--no-compile-cache turns the cache off)") from None
     return PlanCompiler(progress=config.compile_progress, description=description,
-                        cache=ExecutableCache(cache_dir) if cache_dir else None,
-                        fingerprint=fingerprint, mesh=mesh,
+                        cache=cache, fingerprint=fingerprint, mesh=mesh,
                         compiler_options=config.compiler_options, threads=config.compile_threads)
 
 

@@ -34,18 +34,44 @@ every time; it is neither used nor needed here.
 
 **Entries** are files ``<key>.exe``: magic, a JSON header (segment, bucket, output shapes,
 custom-call targets, the ids of the devices it runs on, versions, sizes), the payload of
-``jax.experimental.serialize_executable`` and a SHA-256 of all of it. Invariants:
+``jax.experimental.serialize_executable`` and an HMAC-SHA256 of all of it under the cache's MAC
+key (``graph/trust.py``). Invariants:
 
 * Writes are atomic: a temporary file in the cache directory, then ``os.replace``. Two processes
   writing one key both succeed and leave one whole entry; a reader never sees half a file.
-* A truncated, corrupted or incompatible entry is detected (digest, header, or a failed
-  deserialize), logged, and reported as a miss; the caller recompiles and replaces it. Nothing
-  in here raises into start-up except programming errors.
+* An entry is deserialized only after its MAC checks (``hmac.compare_digest``), and only from
+  the bytes that were checked. A truncated, corrupted, forged or incompatible entry is detected
+  (MAC, header, or a failed deserialize), logged, and reported as a miss; the caller recompiles
+  and replaces it. Nothing in here raises into start-up except the ``ExecutableCache``
+  constructor (a directory it must refuse, ``CacheTrustError`` below, or cannot create) and
+  programming errors.
 * Before an executable with custom calls (Pallas/Triton, Mosaic GPU, LAPACK) is deserialized,
   the modules that register those targets are imported; an entry whose known targets are still
   not registered is not loaded (it could crash the process) but recompiled. Targets of the
   caller's own FFI kernels are registered by the code that defines the stages, which runs
   before the plan is compiled.
+
+**Trust.** The payload is a pickle: deserializing an entry runs whatever code it names, so an
+entry is as trusted as whoever could have written it. What is trusted:
+
+* the MAC key file, outside the cache directory (by default ``default_key_file()``:
+  ``$XDG_CONFIG_HOME/tokenspeed_jax/cache.key``), 32 random bytes made 0600 on first use; an
+  existing key file that others may read or write, that another user owns or that has another
+  length is refused (``CacheTrustError``);
+* the cache directory's owner: the directory is created 0700, and one that another user owns
+  or that group or others may write is refused when the ``ExecutableCache`` is created.
+
+Someone who can write the directory but cannot read the key (its permissions changed after
+start-up, a shared or copied cache, a restored backup) cannot make this process run their
+code: an entry they write or alter fails its MAC and is recompiled and replaced, never
+deserialized, and since the MAC covers the header, which names the entry's key, they cannot
+move a genuine entry to another key. They can still delete or damage entries (costing
+recompiles), put back an older genuine entry of the same key (the same program, as far as the
+key can tell) and fill the disk. Whoever can read the key can forge entries that run arbitrary
+code in every process using it: keep it private to the user running the engine, and copy it
+along with a cache only to where its readers are trusted as much. A key that is removed is
+made anew on the next start; every entry then fails its MAC once and is recompiled. The
+directories above the cache directory and the key file are not checked.
 """
 
 from __future__ import annotations
@@ -53,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import hmac
 import importlib
 import json
 import logging
@@ -70,12 +97,14 @@ import jaxlib
 from jax.experimental import serialize_executable
 from jax.sharding import NamedSharding
 
+from tokenspeed_jax.graph.trust import make_private_directory
+
 logger = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when the entry layout or the key description changes
+FORMAT = 4  # bump when the entry layout or the key description changes
 MAGIC = b"TSJAXEXE"
 SUFFIX = ".exe"
-_DIGEST = 32  # SHA-256 trailer
+_MAC = 32  # HMAC-SHA256 trailer
 _LENGTH = struct.Struct("<Q")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 _SIMPLE = (str, int, float, bool, type(None))
@@ -282,10 +311,16 @@ class EntryInfo:
     problem: str | None
 
 
-def _encode(header: dict[str, Any], payload: bytes) -> bytes:
+def _mac(mac_key: bytes | None, body: bytes) -> bytes:
+    if mac_key is None:
+        raise CacheEntryError("no MAC key: entries can be neither verified nor written")
+    return hmac.new(mac_key, body, hashlib.sha256).digest()
+
+
+def _encode(header: dict[str, Any], payload: bytes, mac_key: bytes | None) -> bytes:
     head = json.dumps(header, sort_keys=True).encode()
     body = MAGIC + _LENGTH.pack(len(head)) + head + payload
-    return body + hashlib.sha256(body).digest()
+    return body + _mac(mac_key, body)
 
 
 def _read_header(data: bytes) -> tuple[dict[str, Any], int]:
@@ -308,14 +343,15 @@ def _read_header(data: bytes) -> tuple[dict[str, Any], int]:
     return header, start + length
 
 
-def decode(data: bytes) -> tuple[dict[str, Any], bytes]:
-    """(header, payload) of an entry's bytes; CacheEntryError when anything does not check."""
+def decode(data: bytes, mac_key: bytes | None) -> tuple[dict[str, Any], bytes]:
+    """(header, payload) of an entry's bytes, authenticated with ``mac_key``; CacheEntryError
+    when anything does not check (always, without a key)."""
     header, offset = _read_header(data)
-    if len(data) < offset + _DIGEST:
+    if len(data) < offset + _MAC:
         raise CacheEntryError(f"truncated ({len(data)} bytes)")
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
-        raise CacheEntryError("checksum mismatch (truncated or corrupted)")
+    body, mac = data[:-_MAC], data[-_MAC:]
+    if not hmac.compare_digest(_mac(mac_key, body), mac):
+        raise CacheEntryError("MAC mismatch (corrupted, forged, or written with another key)")
     payload = body[offset:]
     if len(payload) != header.get("payload_bytes"):
         raise CacheEntryError(f"payload is {len(payload)} bytes, header says "
@@ -350,9 +386,15 @@ def register_custom_calls(targets: Sequence[str]) -> list[str]:
 class ExecutableCache:
     """A directory of serialized executables keyed by ``executable_key`` (module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], mac_key: bytes | None) -> None:
+        """Create ``directory`` (0700) if missing; ``CacheTrustError`` when it exists but
+        another user owns it or group or others may write it. ``mac_key``: authenticates
+        entries (``graph/trust.py``'s ``load_mac_key``); None only to list and clear entries,
+        none of which then verifies or can be written."""
         self.directory = Path(directory).expanduser()
-        self.problems = 0  # entries found corrupt or unloadable in this process
+        make_private_directory(self.directory)
+        self._mac_key = mac_key
+        self.problems = 0  # entries found corrupt, forged or unloadable in this process
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
@@ -373,7 +415,7 @@ class ExecutableCache:
             self._problem(path, f"unreadable: {error}")
             return None
         try:
-            header, payload = decode(data)
+            header, payload = decode(data, self._mac_key)
             if header.get("key") != key:
                 raise CacheEntryError(f"entry holds key {header.get('key')!r}")
             out_specs = tuple(jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=weak)
@@ -435,7 +477,7 @@ class ExecutableCache:
             }
             if out_tree.num_leaves != len(out_specs):
                 raise ValueError(f"{out_tree.num_leaves} outputs, {len(out_specs)} specs")
-            self._write(self.path(key), _encode(header, payload))
+            self._write(self.path(key), _encode(header, payload, self._mac_key))
         except Exception as error:  # noqa: BLE001 - a failed write must not stop start-up
             logger.warning("could not cache executable %s @ %s: %s: %s", segment, bucket,
                            type(error).__name__, error)
@@ -443,7 +485,6 @@ class ExecutableCache:
         return True
 
     def _write(self, path: Path, data: bytes) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
         try:
             with os.fdopen(fd, "wb") as file:
@@ -463,8 +504,8 @@ class ExecutableCache:
         return sorted(paths, key=lambda p: p.stat().st_mtime)
 
     def scan(self, *, verify: bool = False) -> Iterator[EntryInfo]:
-        """Every entry with its header; ``verify`` also checks the digest and that this process
-        (jax/jaxlib version, platform, device kind) could load it."""
+        """Every entry with its header; ``verify`` also checks the MAC and that this process
+        (jax/jaxlib version, platform, device kind) could load it. Nothing is deserialized."""
         now = time.time()
         for path in self.files():
             try:
@@ -474,7 +515,7 @@ class ExecutableCache:
                 continue  # removed while scanning
             header, problem = None, None
             try:
-                header = (decode(data) if verify else _read_header(data))[0]
+                header = (decode(data, self._mac_key) if verify else _read_header(data))[0]
                 if verify:
                     problem = _incompatibility(header)
             except CacheEntryError as error:

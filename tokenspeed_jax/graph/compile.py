@@ -14,8 +14,9 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   and the bucket label; nothing degrades silently.
 * Output shapes come from tracing (or from the cache entry, which recorded them when it was
   traced), so a plan's later calls are compiled for exactly what earlier calls produce.
-* A cache entry that cannot be used (corrupt, incompatible) is logged, recompiled and replaced;
-  the summary counts executables loaded and compiled, and the seconds each took.
+* A cache entry that cannot be used (corrupt, forged, incompatible) is logged, recompiled and
+  replaced, a forged one without being deserialized; the summary counts executables loaded and
+  compiled, and the seconds each took.
 * Cache hits load on ``LOAD_THREADS`` threads; misses compile on ``threads`` threads (one unless
   told: see ``PlanCompiler``). Both run outside the GIL. Jobs are traced by ``add`` on the
   calling thread (a cache entry that cannot be loaded: on its compile's thread), so what is
