@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
+from serving import free_port
 
 MODEL_DIR = "tests/golden/tiny_llama"
 SERVE = [sys.executable, "scripts/serve.py"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_documents_every_config_flag():
@@ -38,14 +35,19 @@ def test_bad_flag_value_is_reported():
     assert "max_model_len must be >= 1, got 0" in result.stderr
 
 
-def test_sigterm_finishes_in_flight_requests_then_exits():
+SERVE_TINY = ["--model", MODEL_DIR, "--served-model-name", "tiny", "--max-model-len", "96",
+              "--num-pages", "32", "--page-size", "8", "--prefill-graph-capture-token-sizes", "32",
+              "--prefill-graph-capture-batch-sizes", "2", "--decode-graph-capture-batch-sizes", "2",
+              "--max-num-seqs", "2", "--no-compile-progress"]
+
+
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """scripts/serve.py on the tiny model in a process of its own, once it printed ``ready:``;
+    yields the process and its base URL, and kills it if the test left it running."""
     port = free_port()
     process = subprocess.Popen(
-        [*SERVE, "--model", MODEL_DIR, "--port", str(port), "--served-model-name", "tiny",
-         "--max-model-len", "96", "--num-pages", "32", "--page-size", "8",
-         "--prefill-graph-capture-token-sizes", "32", "--prefill-graph-capture-batch-sizes", "2",
-         "--decode-graph-capture-batch-sizes", "2", "--max-num-seqs", "2",
-         "--no-compile-progress"],
+        [*SERVE, *SERVE_TINY, "--port", str(port), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -57,24 +59,49 @@ def test_sigterm_finishes_in_flight_requests_then_exits():
             assert time.monotonic() < deadline, "".join(lines)
             lines.append(process.stdout.readline())
         ready = next(line for line in lines if line.startswith("ready:"))
-        assert "executables in" in ready and "compiled in" in ready
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True,
-                "temperature": 0, "stream": True}
-        events = []
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                          timeout=60) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if not events:
-                    process.send_signal(signal.SIGTERM)
-                events.append(line[6:])
-        assert events[-1] == "[DONE]"
-        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
-        assert finish[-1] == "length"
-        # uvicorn re-raises the signal once it has shut down gracefully
-        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert "executables in" in ready
+        yield process, f"http://127.0.0.1:{port}"
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def stream_with_sigterm(process: subprocess.Popen, url: str, body: dict) -> list[str]:
+    """Stream ``body``; SIGTERM the server when the first event arrives; every event after."""
+    events = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if not events:
+                process.send_signal(signal.SIGTERM)
+            events.append(line[6:])
+    return events
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits_0():
+    with serving() as (process, url):
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0, "stream_options": {"include_usage": True}}
+        events = stream_with_sigterm(process, url, body)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 40
+        assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=60) == 0
+
+
+def test_sigterm_ends_requests_still_running_at_the_deadline_then_exits_0():
+    """With no time to drain, the request in flight ends with an error event and [DONE]: 32
+    samples of the whole context on two rows take over a thousand decode steps, far longer than
+    the signal's handling."""
+    with serving("--shutdown-timeout", "0") as (process, url):
+        body = {"model": "tiny", "prompt": [5, 6, 7], "n": 32, "ignore_eos": True,
+                "temperature": 0}
+        events = stream_with_sigterm(process, url, body)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable" and "shut down" in error["message"]
+        assert process.wait(timeout=60) == 0
+        assert re.search(r"ending \d+ requests still running", process.stdout.read())
