@@ -1,7 +1,8 @@
 """SamplingParams: how one request picks its tokens.
 
-Invariants: a params object is validated once, at construction, for type (TypeError), finiteness
-and range (ValueError), with errors that name the field and the value, so nothing a request carries can fail later inside
+Invariants: a params object is validated once, at construction, for type, finiteness and range;
+an error is a ``SamplingParamsError`` (a ValueError) whose ``param`` names the field and whose
+message names the value, so nothing a request carries can fail later inside
 the engine loop (every number here becomes an int32 / float32 / uint64 array element on the
 device); ``temperature == 0`` means greedy: the argmax after the penalties (as HF and vLLM do),
 ignoring top_p, top_k, min_p and seed; ``top_k`` -1 or 0 means off and is stored as 0; a given
@@ -31,24 +32,32 @@ MIN_SCALE = 1e-5  # smallest non-zero temperature / repetition penalty (below it
 MAX_SCALE = 1e5  # largest temperature / repetition penalty
 
 
+class SamplingParamsError(ValueError):
+    """A sampling setting of the wrong type or out of range; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _integer(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        raise SamplingParamsError(name, f"{name} must be in [{low}, {high}], got {value}")
     return int(value)
 
 
 def _number(name: str, value: object, low: float, high: float, *,
             low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise SamplingParamsError(name, f"{name} must be finite, got {value}")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+        raise SamplingParamsError(name, f"{name} must be in {bracket}{low}, {high}], got {value}")
     return value
 
 
@@ -58,8 +67,8 @@ def _scale(name: str, value: object, *, zero_allowed: bool) -> float:
     if value == 0.0 and zero_allowed:
         return value
     if value < MIN_SCALE:
-        raise ValueError(f"{name} must be {'0 or ' if zero_allowed else ''}in "
-                         f"[{MIN_SCALE}, {MAX_SCALE}], got {value}")
+        raise SamplingParamsError(name, f"{name} must be {'0 or ' if zero_allowed else ''}in "
+                                        f"[{MIN_SCALE}, {MAX_SCALE}], got {value}")
     return value
 
 
@@ -83,7 +92,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+            raise SamplingParamsError("stop", f"stop strings must be non-empty strings, got "
+                                              f"{stop!r}")
         top_k = _integer("top_k", self.top_k, -1, INT32_MAX)
         values = {
             "stop": stop,
@@ -104,7 +114,8 @@ class SamplingParams:
             else _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS),
         }
         if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise SamplingParamsError("ignore_eos",
+                                      f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name, value in values.items():
             object.__setattr__(self, name, value)
 

@@ -62,7 +62,7 @@ from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
 from tokenspeed_jax.engine.scheduler import ScheduledStep, Scheduler
 from tokenspeed_jax.engine.state_slots import StateSlots
 from tokenspeed_jax.outputs import Completion
-from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -159,15 +159,16 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
 
     def check_params(self, params: SamplingParams) -> None:
-        """Raise ValueError unless ``params``' token-valued settings lie within the vocabulary
-        (``SamplingParams`` checked everything else when it was made)."""
+        """Raise ``SamplingParamsError`` unless ``params``' token-valued settings lie within the
+        vocabulary (``SamplingParams`` checked everything else when it was made)."""
         vocab = self.tokenizer.vocab_size
         if params.top_k > vocab:
-            raise ValueError(f"top_k must be at most the vocabulary size {vocab} (0 or -1 = off), "
-                             f"got {params.top_k}")
+            raise SamplingParamsError("top_k", f"top_k must be at most the vocabulary size "
+                                               f"{vocab} (0 or -1 = off), got {params.top_k}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary of {vocab}")
+            raise SamplingParamsError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside "
+                                                        f"the vocabulary of {vocab}")
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams

@@ -45,7 +45,7 @@ from tokenspeed_jax.engine.engine import (
     child_params,
 )
 from tokenspeed_jax.engine.request import RequestOutput
-from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.server import translate
 from tokenspeed_jax.server.errors import APIError, error_body, install_error_handlers
 from tokenspeed_jax.server.guards import RequestGuard, resolve_api_key
@@ -173,9 +173,8 @@ def _start(
 ) -> list[_Choice]:
     try:
         engine.engine.check_params(params)
-    except ValueError as error:
-        raise APIError(HTTPStatus.BAD_REQUEST, str(error),
-                       param=str(error).split(" ", 1)[0]) from error
+    except SamplingParamsError as error:
+        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param) from error
     choices = []
     for i, prompt_ids in enumerate(prompts):
         try:

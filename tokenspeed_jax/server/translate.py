@@ -15,7 +15,7 @@ from typing import Protocol
 import jinja2
 
 from tokenspeed_jax.engine.request import RequestOutput, TokenLogprob
-from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.server.errors import APIError
 from tokenspeed_jax.server.protocol import (
     AssistantMessage,
@@ -66,9 +66,8 @@ def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
             n=body.n,
             logprobs=logprobs,
         )
-    except (ValueError, TypeError) as error:
-        param = str(error).split(" ", 1)[0]
-        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=param) from error
+    except SamplingParamsError as error:
+        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param) from error
 
 
 def chat_params(body: ChatCompletionRequest, max_stop_strings: int) -> SamplingParams:
