@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tokenspeed_jax import cache as cache_cli
+from tokenspeed_jax.graph import Call, Plan, PlanCompiler, Segment
+from tokenspeed_jax.graph import cache as cache_module
 from tokenspeed_jax.graph.cache import SUFFIX, ExecutableCache, package_source_hash
 from tokenspeed_jax.graph.trust import load_mac_key
 
@@ -314,6 +319,45 @@ def test_compile_cache_flags_and_default_directory(monkeypatch, tmp_path):
         str(tmp_path), "tokenspeed_jax", "executables")
     assert EngineConfig(compile_cache_dir="/x").compile_cache_path == "/x"
     assert EngineConfig(compile_cache=False).compile_cache_path is None
+
+
+def _double(params, x):
+    return x * 2
+
+
+def misses_logged(directory: Path, caplog, shape: tuple[int, ...], *, stage: str = "double",
+                  options: dict | None = None) -> list[str]:
+    """Compile a one-stage plan on ``shape`` against the cache in ``directory``: the cache-miss
+    explanations it logged."""
+    compiler = PlanCompiler(progress=False, cache=ExecutableCache(directory, load_mac_key()),
+                            compiler_options=options)
+    segment = Segment(stage, _double, ("x",), ("y",))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=cache_module.__name__):
+        compiler.add("x", Plan([Call(segment)], ("x",), ("y",)),
+                     {"x": jax.ShapeDtypeStruct(shape, jnp.float32)})
+        compiler.compile_all()
+    return [r.getMessage() for r in caplog.records if "compile cache miss" in r.getMessage()]
+
+
+def test_a_cache_miss_logs_which_parts_of_the_key_differ(tmp_path, caplog, monkeypatch):
+    serialize = {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
+    assert misses_logged(tmp_path, caplog, (4,)) == []  # nothing to compare with yet
+    (message,) = misses_logged(tmp_path, caplog, (8,))
+    assert "double @ x" in message and "argument shapes" in message
+    assert "float32[4] -> float32[8]" in message
+    assert "compiler options" not in message and "package" not in message
+    # closest: the (4,) entry, which differs in the options alone
+    (message,) = misses_logged(tmp_path, caplog, (4,), options=serialize)
+    assert "compiler options" in message and "SERIALIZE" in message
+    assert "argument shapes" not in message
+    assert misses_logged(tmp_path, caplog, (8,)) == []  # a hit
+    assert misses_logged(tmp_path, caplog, (8,), stage="other") == []  # no entry of the stage
+    edited = tuple((name, "0" * 64 if name == "package" else value)
+                   for name, value in cache_module.environment())
+    monkeypatch.setattr(cache_module, "environment", lambda: edited)
+    (message,) = misses_logged(tmp_path, caplog, (8,))
+    assert "package source hash" in message and "argument shapes" not in message
 
 
 if __name__ == "__main__":
