@@ -2,7 +2,8 @@
 
 Each start is a fresh ``python`` process (this file run as a script) that builds a tiny Llama
 ModelRunner, compiles it against a temporary cache directory, and generates a few greedy tokens;
-other starts build a Kimi runner. Compiles are counted by jax's own monitoring events
+other starts build a whole engine (``build_engine`` with its KV cache sized from a free-memory
+reading the test chooses) or a Kimi runner. Compiles are counted by jax's own monitoring events
 (backend compile, tracing, lowering) from the runner's construction (its KV cache allocation)
 on, never by the cache's own report. Starts are compared against the cold start.
 """
@@ -45,6 +46,13 @@ NEW_DECODE_BUCKET = 3  # decode, resample and penalized resample of one more dec
 
 
 GOLDEN = Path(__file__).parent / "golden"
+ENGINE_PROMPTS = [[5, 17, 33, 2, 9], [101, 7, 7, 250, 3, 64, 12, 8, 90]]
+# A tiny Llama KV page (tests/golden/tiny_llama, serving.CONFIG's 8-token pages, float32 on the
+# CPU): K and V of 2 KV heads x 16 dims per token, 2 layers, 4 bytes each.
+TINY_LLAMA_PAGE_BYTES = 2 * 8 * 2 * 16 * 2 * 4
+ENGINE_MEM_FRACTION = 0.5
+
+
 def child(options: dict) -> None:
     """One start-up in the way ``options['mode']`` names (the runner by default) against
     ``options['cache_dir']``; prints a JSON line with the compile counts of its window."""
@@ -67,11 +75,37 @@ def child(options: dict) -> None:
         finally:
             window["open"] = False
 
-    starts = {"runner": _runner_start, "kimi": _kimi_start}
+    starts = {"runner": _runner_start, "engine": _engine_start, "kimi": _kimi_start}
     result = starts[options.get("mode", "runner")](options, counted)
     print(json.dumps({**result, "backend_compiles": counts[BACKEND_COMPILE],
                       "traces": counts[TRACE], "lowerings": counts[LOWER],
                       "package": package_source_hash()}))
+
+
+def _engine_start(options: dict, counted) -> dict:
+    """``build_engine`` on serving.CONFIG with its KV cache sized from free memory, which reads
+    ``options['free_bytes']``, then a first ``generate``: both counted."""
+    import dataclasses
+
+    from serving import CONFIG
+
+    from tokenspeed_jax.engine import engine
+    from tokenspeed_jax.sampling_params import SamplingParams
+
+    engine.free_device_bytes = lambda: (options["free_bytes"], "test")
+    config = dataclasses.replace(CONFIG, num_pages=None, mem_fraction=ENGINE_MEM_FRACTION,
+                                 compile_cache_dir=options["cache_dir"])
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    with counted():
+        bundle = engine.build_engine(config)
+        completions = bundle.engine.generate([(p, greedy) for p in ENGINE_PROMPTS])
+    summary = bundle.compile_summary
+    return {"pages": bundle.engine.block_manager.num_pages,
+            "kv_pages_shape": list(bundle.runner.k_pages[0].shape),
+            "loaded": summary.num_loaded, "compiled": summary.num_compiled,
+            "executables": summary.num_executables,
+            "outputs": [group[0].token_ids for group in completions],
+            "runtime_compiles": bundle.runner.stats()["runtime_compiles"]}
 
 
 def _kimi_start(options: dict, counted) -> dict:
@@ -368,6 +402,39 @@ def test_compile_cache_flags_and_default_directory(monkeypatch, tmp_path):
         str(tmp_path), "tokenspeed_jax", "executables")
     assert EngineConfig(compile_cache_dir="/x").compile_cache_path == "/x"
     assert EngineConfig(compile_cache=False).compile_cache_path is None
+
+
+def engine_free_bytes(pages: int) -> int:
+    """A free-memory reading in which ``_engine_start``'s sizing affords ``pages`` KV pages."""
+    return int((pages + 0.5) * TINY_LLAMA_PAGE_BYTES / ENGINE_MEM_FRACTION)
+
+
+def test_warm_engine_with_other_free_memory_loads_everything_and_compiles_nothing(tmp_path):
+    """The KV page count of a first start is kept by the next one although more memory is
+    free (sized anew it would be 60 pages, every executable's shapes would change and each
+    would compile), so the warm start builds the engine, allocates its KV cache and runs a
+    first generate without one XLA compile."""
+
+    def body():
+        directory = tmp_path / "engine"
+        shutil.rmtree(directory, ignore_errors=True)
+        cold = start(directory, mode="engine", free_bytes=engine_free_bytes(40))
+        warm = start(directory, mode="engine", free_bytes=engine_free_bytes(60))
+        if not same_code(cold, warm):
+            return cold, warm
+        assert cold["pages"] == warm["pages"] == 40  # fewer than max_num_seqs' 8 x 12 pages
+        assert cold["kv_pages_shape"] == warm["kv_pages_shape"] == [2, 40, 8, 16]
+        assert cold["loaded"] == 0
+        assert cold["backend_compiles"] == cold["executables"] + NUM_ALLOCATING
+        assert warm["loaded"] == cold["executables"] and warm["compiled"] == 0
+        # (loading the checkpoint traces the model's init abstractly: no lowering, no compile)
+        assert (warm["backend_compiles"], warm["lowerings"]) == (0, 0)
+        assert warm["outputs"] == cold["outputs"]
+        assert all(len(tokens) == 6 for tokens in warm["outputs"])
+        assert warm["runtime_compiles"] == 0
+        return cold, warm
+
+    retried(body)
 
 
 def test_warm_kimi_runner_allocates_its_pools_without_compiling(tmp_path):
