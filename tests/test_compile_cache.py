@@ -1,24 +1,32 @@
 """The on-disk executable cache across real process restarts (graph/cache.py, PlanCompiler).
 
 Each start is a fresh ``python`` process (this file run as a script) that builds a tiny Llama
-ModelRunner, compiles it against a temporary cache directory, and generates a few greedy tokens.
-Compiles are counted by jax's own monitoring events (backend compile, tracing, lowering) during
-``compile_all``, never by the cache's own report. Starts are compared against the cold start.
+ModelRunner, compiles it against a temporary cache directory, and generates a few greedy tokens;
+other starts build a whole engine (``build_engine`` with its KV cache sized from a free-memory
+reading the test chooses) or a Kimi runner. Compiles are counted by jax's own monitoring events
+(backend compile, tracing, lowering) from the runner's construction (its KV cache allocation)
+on, never by the cache's own report. Starts are compared against the cold start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tokenspeed_jax import cache as cache_cli
+from tokenspeed_jax.graph import Call, Plan, PlanCompiler, Segment
+from tokenspeed_jax.graph import cache as cache_module
 from tokenspeed_jax.graph.cache import SUFFIX, ExecutableCache, package_source_hash
 from tokenspeed_jax.graph.trust import load_mac_key
 
@@ -29,13 +37,25 @@ LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 # the narrowing (token bucket 16); per request bucket (1, 2): head, resample, penalized resample;
 # one decode step (decode buckets 1 and 2 share the two-row executable).
 NUM_EXECUTABLES = 5 + 3 * 2 + 1
+# Made while the runner is built, before its plans: the zero-filled KV pages (graph/arrays.py).
+NUM_ALLOCATING = 1
+NUM_ENTRIES = NUM_EXECUTABLES + NUM_ALLOCATING
 # Narrow and the resample plans read only their arguments: no model state in their keys.
 NUM_STATELESS = 1 + 2 * 2
 NEW_DECODE_BUCKET = 3  # decode, resample and penalized resample of one more decode bucket
 
 
+GOLDEN = Path(__file__).parent / "golden"
+ENGINE_PROMPTS = [[5, 17, 33, 2, 9], [101, 7, 7, 250, 3, 64, 12, 8, 90]]
+# A tiny Llama KV page (tests/golden/tiny_llama, serving.CONFIG's 8-token pages, float32 on the
+# CPU): K and V of 2 KV heads x 16 dims per token, 2 layers, 4 bytes each.
+TINY_LLAMA_PAGE_BYTES = 2 * 8 * 2 * 16 * 2 * 4
+ENGINE_MEM_FRACTION = 0.5
+
+
 def child(options: dict) -> None:
-    """One start-up: compile against ``options['cache_dir']``, generate, print a JSON line."""
+    """One start-up in the way ``options['mode']`` names (the runner by default) against
+    ``options['cache_dir']``; prints a JSON line with the compile counts of its window."""
     from jax import monitoring
 
     counts = {BACKEND_COMPILE: 0, TRACE: 0, LOWER: 0}
@@ -47,6 +67,70 @@ def child(options: dict) -> None:
 
     monitoring.register_event_duration_secs_listener(on_event)
 
+    @contextlib.contextmanager
+    def counted():
+        window["open"] = True
+        try:
+            yield
+        finally:
+            window["open"] = False
+
+    starts = {"runner": _runner_start, "engine": _engine_start, "kimi": _kimi_start}
+    result = starts[options.get("mode", "runner")](options, counted)
+    print(json.dumps({**result, "backend_compiles": counts[BACKEND_COMPILE],
+                      "traces": counts[TRACE], "lowerings": counts[LOWER],
+                      "package": package_source_hash()}))
+
+
+def _engine_start(options: dict, counted) -> dict:
+    """``build_engine`` on serving.CONFIG with its KV cache sized from free memory, which reads
+    ``options['free_bytes']``, then a first ``generate``: both counted."""
+    import dataclasses
+
+    from serving import CONFIG
+
+    from tokenspeed_jax.engine import engine
+    from tokenspeed_jax.sampling_params import SamplingParams
+
+    engine.free_device_bytes = lambda: (options["free_bytes"], "test")
+    config = dataclasses.replace(CONFIG, num_pages=None, mem_fraction=ENGINE_MEM_FRACTION,
+                                 compile_cache_dir=options["cache_dir"])
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    with counted():
+        bundle = engine.build_engine(config)
+        completions = bundle.engine.generate([(p, greedy) for p in ENGINE_PROMPTS])
+    summary = bundle.compile_summary
+    return {"pages": bundle.engine.block_manager.num_pages,
+            "kv_pages_shape": list(bundle.runner.k_pages[0].shape),
+            "loaded": summary.num_loaded, "compiled": summary.num_compiled,
+            "executables": summary.num_executables,
+            "outputs": [group[0].token_ids for group in completions],
+            "runtime_compiles": bundle.runner.stats()["runtime_compiles"]}
+
+
+def _kimi_start(options: dict, counted) -> dict:
+    """A Kimi runner of the tiny checkpoint built (its state pools and latent pages allocated),
+    counted; its pools' shapes and dtypes, whether they are zero, and how many buffers."""
+    import numpy as np
+
+    from tokenspeed_jax.config import EngineConfig
+    from tokenspeed_jax.engine.kimi_runner import KimiRunner
+    from tokenspeed_jax.models.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    config = EngineConfig(max_model_len=64, compile_progress=False,
+                          compile_cache_dir=options["cache_dir"])
+    with counted():
+        runner = KimiRunner(checkpoint.model, config, num_pages=12, num_state_slots=6,
+                            page_size=16)
+    pools = runner.pools
+    return {"pools": {name: [list(pool.shape), str(pool.dtype)] for name, pool in pools.items()},
+            "all_zero": not any(np.any(np.asarray(pool)) for pool in pools.values()),
+            "buffers": len({pool.unsafe_buffer_pointer() for pool in pools.values()})}
+
+
+def _runner_start(options: dict, counted) -> dict:
+    """A tiny Llama ModelRunner built and compiled (counted), then four greedy steps."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -71,10 +155,9 @@ def child(options: dict) -> None:
         decode_graph_max_bs=max(decode), max_model_len=64, compile_progress=False,
         compile_cache_dir=options["cache_dir"], strict_no_compile=True,
         xla_compiler_options=tuple(options.get("xla", ())))
-    runner = ModelRunner(model, config, num_pages=8, page_size=16)
-    window["open"] = True
-    summary = runner.compile_all()
-    window["open"] = False
+    with counted():
+        runner = ModelRunner(model, config, num_pages=8, page_size=16)
+        summary = runner.compile_all()
 
     greedy = SamplingParams(temperature=0.0)
     prompts = {"a": [5, 17, 33, 2, 9], "b": [101, 7, 7, 250, 3, 64, 12, 8, 90]}
@@ -92,14 +175,10 @@ def child(options: dict) -> None:
                                 r.end_pos, r.page_table, True, greedy,
                                 list(outputs[r.request_id]))
                     for r in requests]
-    print(json.dumps({
-        "backend_compiles": counts[BACKEND_COMPILE], "traces": counts[TRACE],
-        "lowerings": counts[LOWER], "loaded": summary.num_loaded,
-        "compiled": summary.num_compiled, "executables": summary.num_executables,
-        "direct": summary.num_direct,
-        "outputs": outputs, "logprobs": logprobs, "package": package_source_hash(),
-        "runtime_compiles": runner.stats()["runtime_compiles"],
-    }))
+    return {"loaded": summary.num_loaded, "compiled": summary.num_compiled,
+            "executables": summary.num_executables, "direct": summary.num_direct,
+            "outputs": outputs, "logprobs": logprobs,
+            "runtime_compiles": runner.stats()["runtime_compiles"]}
 
 
 def _command(options: dict) -> list[str]:
@@ -142,8 +221,8 @@ def cold(tmp_path_factory) -> tuple[Path, dict]:
     assert result["loaded"] == 0
     assert result["compiled"] == result["executables"] == NUM_EXECUTABLES
     assert result["direct"] == NUM_EXECUTABLES  # every replay skips Compiled.__call__
-    assert result["backend_compiles"] == NUM_EXECUTABLES
-    assert len(list(directory.glob(f"*{SUFFIX}"))) == NUM_EXECUTABLES
+    assert result["backend_compiles"] == NUM_ENTRIES
+    assert len(list(directory.glob(f"*{SUFFIX}"))) == NUM_ENTRIES
     return directory, result
 
 
@@ -186,10 +265,16 @@ def _damage(path: Path, how: str) -> None:
                          + data[middle + 16:])
 
 
+def plan_entries(directory: Path) -> list[Path]:
+    """The entries of plan executables (not of the start-up allocation), by name."""
+    infos = ExecutableCache(directory, None).scan()
+    return sorted(i.path for i in infos if not i.header["segment"].startswith("zeros"))
+
+
 def test_corrupt_entries_are_logged_recompiled_and_replaced(cold, tmp_path):
     def body():
         directory, first = _copy(cold, tmp_path)
-        truncated, flipped = sorted(directory.glob(f"*{SUFFIX}"))[:2]
+        truncated, flipped = plan_entries(directory)[:2]
         _damage(truncated, "truncate")
         _damage(flipped, "flip")
         damaged = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (truncated, flipped)}
@@ -203,7 +288,7 @@ def test_corrupt_entries_are_logged_recompiled_and_replaced(cold, tmp_path):
         for path, digest in damaged.items():
             assert hashlib.sha256(path.read_bytes()).hexdigest() != digest  # replaced
         infos = list(ExecutableCache(directory, load_mac_key()).scan(verify=True))
-        assert len(infos) == NUM_EXECUTABLES and all(i.problem is None for i in infos)
+        assert len(infos) == NUM_ENTRIES and all(i.problem is None for i in infos)
         return first, result
 
     retried(body)
@@ -231,8 +316,10 @@ def test_changed_model_config_misses_only_entries_that_read_it(cold, tmp_path):
             return first, result
         assert result["backend_compiles"] == result["compiled"] == NUM_EXECUTABLES - NUM_STATELESS
         assert result["loaded"] == NUM_STATELESS
-        # the first model's entries are kept beside the new ones
-        assert len(list(directory.glob(f"*{SUFFIX}"))) == 2 * NUM_EXECUTABLES - NUM_STATELESS
+        # the first model's entries are kept beside the new ones (the KV pages' allocation,
+        # which reads no model state, is shared)
+        assert (len(list(directory.glob(f"*{SUFFIX}")))
+                == NUM_ENTRIES + NUM_EXECUTABLES - NUM_STATELESS)
         return first, result
 
     retried(body)
@@ -249,7 +336,8 @@ def test_compiler_options_are_part_of_the_key(cold, tmp_path):
         again = start(directory, xla=serialize)
         if not same_code(first, other, again):
             return first, other, again
-        assert other["compiled"] == other["backend_compiles"] == NUM_EXECUTABLES
+        assert other["compiled"] == NUM_EXECUTABLES
+        assert other["backend_compiles"] == NUM_ENTRIES  # the allocation takes the options too
         assert other["loaded"] == 0
         assert (other["outputs"], other["logprobs"]) == (first["outputs"], first["logprobs"])
         assert again["loaded"] == NUM_EXECUTABLES and again["backend_compiles"] == 0
@@ -278,7 +366,7 @@ def test_two_processes_starting_at_once_on_an_empty_cache(cold, tmp_path):
         assert third["outputs"] == cold[1]["outputs"]
         assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []
         infos = list(ExecutableCache(directory, load_mac_key()).scan(verify=True))
-        assert len(infos) == NUM_EXECUTABLES and all(i.problem is None for i in infos)
+        assert len(infos) == NUM_ENTRIES and all(i.problem is None for i in infos)
         return [*results, third]
 
     retried(body)
@@ -288,13 +376,13 @@ def test_cli_lists_verifies_and_clears(cold, tmp_path, capsys):
     directory, _ = _copy(cold, tmp_path)
     assert cache_cli.main(["list", "--dir", str(directory)]) == 0
     listing = capsys.readouterr().out
-    assert f"{NUM_EXECUTABLES} entries" in listing
+    assert f"{NUM_ENTRIES} entries" in listing
     for segment, bucket in (("embed+qkv", "prefill T=16"), ("decode", "decode B=2"),
                             ("narrow", "narrow T=16"), ("head", "head B=1"),
                             ("sample", "resample B=2")):
         assert any(segment in line and bucket in line for line in listing.splitlines())
     assert cache_cli.main(["verify", "--dir", str(directory)]) == 0
-    assert f"{NUM_EXECUTABLES} ok, 0 bad" in capsys.readouterr().out
+    assert f"{NUM_ENTRIES} ok, 0 bad" in capsys.readouterr().out
     broken = min(directory.glob(f"*{SUFFIX}"))
     _damage(broken, "flip")
     assert cache_cli.main(["verify", "--dir", str(directory), "--delete"]) == 1
@@ -302,7 +390,7 @@ def test_cli_lists_verifies_and_clears(cold, tmp_path, capsys):
     assert "MAC mismatch" in report and "1 bad (deleted)" in report
     assert not broken.exists()
     assert cache_cli.main(["clear", "--dir", str(directory)]) == 0
-    assert f"removed {NUM_EXECUTABLES - 1} entries" in capsys.readouterr().out
+    assert f"removed {NUM_ENTRIES - 1} entries" in capsys.readouterr().out
     assert list(directory.iterdir()) == []
 
 
@@ -314,6 +402,108 @@ def test_compile_cache_flags_and_default_directory(monkeypatch, tmp_path):
         str(tmp_path), "tokenspeed_jax", "executables")
     assert EngineConfig(compile_cache_dir="/x").compile_cache_path == "/x"
     assert EngineConfig(compile_cache=False).compile_cache_path is None
+
+
+def engine_free_bytes(pages: int) -> int:
+    """A free-memory reading in which ``_engine_start``'s sizing affords ``pages`` KV pages."""
+    return int((pages + 0.5) * TINY_LLAMA_PAGE_BYTES / ENGINE_MEM_FRACTION)
+
+
+def test_warm_engine_with_other_free_memory_loads_everything_and_compiles_nothing(tmp_path):
+    """The KV page count of a first start is kept by the next one although more memory is
+    free (sized anew it would be 60 pages, every executable's shapes would change and each
+    would compile), so the warm start builds the engine, allocates its KV cache and runs a
+    first generate without one XLA compile."""
+
+    def body():
+        directory = tmp_path / "engine"
+        shutil.rmtree(directory, ignore_errors=True)
+        cold = start(directory, mode="engine", free_bytes=engine_free_bytes(40))
+        warm = start(directory, mode="engine", free_bytes=engine_free_bytes(60))
+        if not same_code(cold, warm):
+            return cold, warm
+        assert cold["pages"] == warm["pages"] == 40  # fewer than max_num_seqs' 8 x 12 pages
+        assert cold["kv_pages_shape"] == warm["kv_pages_shape"] == [2, 40, 8, 16]
+        assert cold["loaded"] == 0
+        assert cold["backend_compiles"] == cold["executables"] + NUM_ALLOCATING
+        assert warm["loaded"] == cold["executables"] and warm["compiled"] == 0
+        # (loading the checkpoint traces the model's init abstractly: no lowering, no compile)
+        assert (warm["backend_compiles"], warm["lowerings"]) == (0, 0)
+        assert warm["outputs"] == cold["outputs"]
+        assert all(len(tokens) == 6 for tokens in warm["outputs"])
+        assert warm["runtime_compiles"] == 0
+        return cold, warm
+
+    retried(body)
+
+
+def test_warm_kimi_runner_allocates_its_pools_without_compiling(tmp_path):
+    """The state pools and latent pages of a Kimi runner come from cached executables: one per
+    distinct pool shape at the first start, none at the next; every pool zero, in a buffer of
+    its own, with the shapes the checkpoint's config gives."""
+    config = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
+    linear = config["linear_attn_config"]
+    heads, head_dim = linear["num_heads"], linear["head_dim"]
+    state = [[6, heads, head_dim, head_dim], "float32"]
+    conv = [[6, linear["short_conv_kernel_size"] - 1, 3 * heads * head_dim], "float32"]
+    latent = [[12, 16, config["kv_lora_rank"] + config["qk_rope_head_dim"]], "float32"]
+    expected = sorted([state, conv] * len(linear["kda_layers"])
+                      + [latent] * len(linear["full_attn_layers"]))
+
+    def body():
+        directory = tmp_path / "kimi"
+        shutil.rmtree(directory, ignore_errors=True)
+        cold = start(directory, mode="kimi")
+        warm = start(directory, mode="kimi")
+        if not same_code(cold, warm):
+            return cold, warm
+        assert cold["backend_compiles"] == 3  # state, conv, latent
+        assert warm["backend_compiles"] == warm["traces"] == warm["lowerings"] == 0
+        for result in (cold, warm):
+            assert sorted(result["pools"].values()) == expected
+            assert result["all_zero"] and result["buffers"] == len(expected)
+        return cold, warm
+
+    retried(body)
+
+
+def _double(params, x):
+    return x * 2
+
+
+def misses_logged(directory: Path, caplog, shape: tuple[int, ...], *, stage: str = "double",
+                  options: dict | None = None) -> list[str]:
+    """Compile a one-stage plan on ``shape`` against the cache in ``directory``: the cache-miss
+    explanations it logged."""
+    compiler = PlanCompiler(progress=False, cache=ExecutableCache(directory, load_mac_key()),
+                            compiler_options=options)
+    segment = Segment(stage, _double, ("x",), ("y",))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=cache_module.__name__):
+        compiler.add("x", Plan([Call(segment)], ("x",), ("y",)),
+                     {"x": jax.ShapeDtypeStruct(shape, jnp.float32)})
+        compiler.compile_all()
+    return [r.getMessage() for r in caplog.records if "compile cache miss" in r.getMessage()]
+
+
+def test_a_cache_miss_logs_which_parts_of_the_key_differ(tmp_path, caplog, monkeypatch):
+    serialize = {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
+    assert misses_logged(tmp_path, caplog, (4,)) == []  # nothing to compare with yet
+    (message,) = misses_logged(tmp_path, caplog, (8,))
+    assert "double @ x" in message and "argument shapes" in message
+    assert "float32[4] -> float32[8]" in message
+    assert "compiler options" not in message and "package" not in message
+    # closest: the (4,) entry, which differs in the options alone
+    (message,) = misses_logged(tmp_path, caplog, (4,), options=serialize)
+    assert "compiler options" in message and "SERIALIZE" in message
+    assert "argument shapes" not in message
+    assert misses_logged(tmp_path, caplog, (8,)) == []  # a hit
+    assert misses_logged(tmp_path, caplog, (8,), stage="other") == []  # no entry of the stage
+    edited = tuple((name, "0" * 64 if name == "package" else value)
+                   for name, value in cache_module.environment())
+    monkeypatch.setattr(cache_module, "environment", lambda: edited)
+    (message,) = misses_logged(tmp_path, caplog, (8,))
+    assert "package source hash" in message and "argument shapes" not in message
 
 
 if __name__ == "__main__":

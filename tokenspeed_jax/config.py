@@ -111,7 +111,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Tokens per KV page.
     page_size: int = 16
-    # KV pages; None = sized from free device memory (host memory on the CPU) x mem_fraction.
+    # KV pages; None = sized from free device memory (host memory on the CPU) x mem_fraction,
+    # and with the compile cache on, kept by later starts while it fits.
     num_pages: int | None = None
     # Fraction of the memory free after loading the weights that the KV cache may take.
     mem_fraction: float = 0.85

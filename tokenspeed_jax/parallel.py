@@ -54,7 +54,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -242,10 +241,11 @@ def param_sharding(path: Sequence[Any], config: Any, mesh: Mesh) -> NamedShardin
 def place_param(path: Sequence[Any], value: Any, dtype: Any, *, config: Any,
                 mesh: Mesh | None) -> jax.Array:
     """A loaded parameter as a device array of ``dtype``: on the default device without a
-    mesh, else straight from the host onto its tensor-parallel sharding."""
-    if mesh is None:
-        return jnp.asarray(value, dtype=dtype)
-    return jax.device_put(np.asarray(value).astype(dtype), param_sharding(path, config, mesh))
+    mesh, else straight from the host onto its tensor-parallel sharding. A dtype change is
+    made on the host: on the device it would compile a conversion per weight shape at every
+    start."""
+    sharding = None if mesh is None else param_sharding(path, config, mesh)
+    return jax.device_put(np.asarray(value).astype(dtype, copy=False), sharding)
 
 
 def place_model(model: Any, mesh: Mesh) -> None:

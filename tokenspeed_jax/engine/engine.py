@@ -35,6 +35,10 @@ Invariants:
   aborted or the engine failed.
 * ``max_model_len`` never exceeds what the KV pages can hold, so one request alone always fits
   and preemption can always make progress.
+* The KV page count is a shape of every executable, so it does not follow free memory from one
+  start to the next: sized from free memory when ``num_pages`` is not set, it is recorded beside
+  the executable cache and later starts of the same setup keep it while it fits in the memory
+  free then (``num_kv_pages``, ``sizing_record``); with the cache off each start sizes anew.
 * A hybrid model (Kimi-Linear: recurrent KDA state beside a paged latent cache) runs on
   ``KimiRunner`` with a state pool of ``max_num_seqs`` live rows plus, with prefix caching, as
   many checkpoint rows (``state_slots.StateSlots``); any other model runs on ``ModelRunner``.
@@ -56,6 +60,7 @@ from typing import Any, Protocol
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import OVERLAP_SCHEDULES, EngineConfig
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
+from tokenspeed_jax.engine import sizing_record
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
@@ -462,12 +467,46 @@ def free_device_bytes() -> tuple[int, str]:
     return int(available * CPU_MEMORY_SHARE), "host"
 
 
-def num_kv_pages(config: EngineConfig, page_bytes: int, reserved_bytes: int = 0) -> int:
+def total_device_bytes() -> int:
+    """Memory of the first device: what its allocator may use, or on the CPU the host's RAM."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def sizing_key(config: EngineConfig, page_bytes: int, reserved_bytes: int, model: str
+               ) -> dict[str, Any]:
+    """What decides the page count besides free memory: the key of its sizing record."""
+    import jax
+
+    return {"model": model, "page_bytes": page_bytes, "reserved_bytes": reserved_bytes,
+            "page_size": config.page_size, "max_model_len": config.max_model_len,
+            "max_num_seqs": config.max_num_seqs, "mem_fraction": config.mem_fraction,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "device_kind": jax.devices()[0].device_kind,
+            "device_total_bytes": total_device_bytes()}
+
+
+def num_kv_pages(config: EngineConfig, page_bytes: int, reserved_bytes: int = 0, *,
+                 model: str = "") -> int:
     """KV pages to allocate: the explicit ``num_pages``, else what the free memory allows (less
     ``reserved_bytes`` taken by other per-engine buffers).
 
     Never more than ``max_num_seqs`` full-length sequences need, never fewer than one sequence of
     ``max_model_len`` needs.
+
+    With the executable cache on, a count sized from free memory is recorded in the cache
+    directory (``sizing_record``), keyed by ``sizing_key``: ``model`` (its path), the page and
+    reserved bytes, ``page_size``, ``max_model_len``, ``max_num_seqs``, ``mem_fraction``,
+    ``tensor_parallel_size`` and the device's kind and total memory. A later call with the same
+    key returns the recorded count while it is within the bounds above and fits in the memory
+    free now (``mem_fraction`` of it, less ``reserved_bytes``), however much more is free, so
+    the executables' shapes stay those of the first start; a count that no longer fits is sized
+    again (logged with the numbers) and replaces the record. Delete the record, or set
+    ``num_pages``, to choose anew. With the cache off every call sizes from free memory.
     """
     if config.num_pages is not None:
         if config.num_pages < 1:
@@ -476,8 +515,22 @@ def num_kv_pages(config: EngineConfig, page_bytes: int, reserved_bytes: int = 0)
     if not 0.0 < config.mem_fraction <= 1.0:
         raise ValueError(f"mem_fraction must be in (0, 1], got {config.mem_fraction}")
     per_sequence = math.ceil(config.max_model_len / config.page_size)
+    most = config.max_num_seqs * per_sequence
     free, _ = free_device_bytes()
     affordable = (int(free * config.mem_fraction) - reserved_bytes) // page_bytes
+    directory = config.compile_cache_path
+    key = sizing_key(config, page_bytes, reserved_bytes, model) if directory else None
+    recorded = None if key is None else sizing_record.read_pages(directory, key)
+    if recorded is not None:
+        if per_sequence <= recorded <= min(affordable, most):
+            logger.info("KV cache: %d pages, as recorded at an earlier start in %s", recorded,
+                        sizing_record.record_path(directory, key))
+            return recorded
+        logger.warning(
+            "the KV page count recorded at an earlier start, %d, does not fit now: %.2f GiB "
+            "free x mem_fraction=%s holds %d pages of %d bytes (bounds %d..%d); sizing again, "
+            "so executables of the new count are compiled", recorded, free / 2**30,
+            config.mem_fraction, affordable, page_bytes, per_sequence, most)
     if affordable >= KV_PAGE_ROUNDING:
         affordable = max(affordable // KV_PAGE_ROUNDING * KV_PAGE_ROUNDING, per_sequence)
     if affordable < per_sequence:
@@ -487,7 +540,13 @@ def num_kv_pages(config: EngineConfig, page_bytes: int, reserved_bytes: int = 0)
             f"max_model_len={config.max_model_len} needs ({per_sequence}); lower max_model_len "
             f"or set num_pages"
         )
-    return min(affordable, config.max_num_seqs * per_sequence)
+    pages = min(affordable, most)
+    if key is not None:
+        path = sizing_record.write_pages(directory, key, pages)
+        if path is not None:
+            logger.info("KV cache: %d pages sized from %.2f GiB free; recorded in %s for later "
+                        "starts", pages, free / 2**30, path)
+    return pages
 
 
 @dataclasses.dataclass
@@ -540,7 +599,7 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
                      // parallel.mesh_size(mesh))
     if state_slots is None:
         reserved += stacked_copy_bytes(config, loaded.model)
-    num_pages = num_kv_pages(config, page_bytes, reserved)
+    num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))
     if state_slots is None:
         runner = ModelRunner(loaded.model, config, num_pages, config.page_size)
     else:

@@ -100,8 +100,8 @@ from tokenspeed_jax.graph import (
     choose_bucket,
     run_eager,
 )
+from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import classes_fingerprint
-from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
 from tokenspeed_jax.models.kimi_linear_layers import KdaImpl, KdaMeta, kda_core
@@ -252,18 +252,19 @@ class KimiRunner:
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
         k, h, width = cfg.linear_head_dim, cfg.linear_num_heads, cfg.conv_kernel_size
-        with startup():
-            shapes: dict[str, tuple[tuple[int, ...], Any]] = {}
-            for i, kind in enumerate(self.kinds):
-                if kind == KDA:
-                    shapes[f"state.{i}"] = (num_state_slots, h, k, k), config.kda_state_dtype
-                    shapes[f"conv.{i}"] = (num_state_slots, width - 1, 3 * h * k), self.dtype
-                else:
-                    shapes[f"latent.{i}"] = (num_pages, page_size, cfg.latent_dim), self.dtype
-            self.pools: dict[str, jax.Array] = {
-                name: jnp.zeros(shape, dtype, device=None if self.mesh is None
-                                else parallel.kimi_pool_sharding(name, self.mesh))
-                for name, (shape, dtype) in shapes.items()}
+        shapes: dict[str, tuple[tuple[int, ...], Any]] = {}
+        for i, kind in enumerate(self.kinds):
+            if kind == KDA:
+                shapes[f"state.{i}"] = (num_state_slots, h, k, k), config.kda_state_dtype
+                shapes[f"conv.{i}"] = (num_state_slots, width - 1, 3 * h * k), self.dtype
+            else:
+                shapes[f"latent.{i}"] = (num_pages, page_size, cfg.latent_dim), self.dtype
+        self.pools: dict[str, jax.Array] = device_arrays.zeros(
+            engine_compiler(config, description="allocating the state pools and latent pages",
+                            fingerprint=None, mesh=self.mesh),
+            {name: jax.ShapeDtypeStruct(shape, dtype, sharding=None if self.mesh is None
+                                        else parallel.kimi_pool_sharding(name, self.mesh))
+             for name, (shape, dtype) in shapes.items()})
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._builder = PlanBuilder()
         self._fns: dict[tuple, Callable] = {}

@@ -113,8 +113,8 @@ from tokenspeed_jax.graph import (
     run_eager,
     token_ladder,
 )
+from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
-from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.graph.trust import CacheTrustError, load_mac_key
 from tokenspeed_jax.kernels.attention import write_kv
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, choose_decode_kernel
@@ -168,7 +168,7 @@ MIN_DECODE_ROWS = 2
 SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
 
 
-def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
+def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str | None,
                     mesh: Any) -> PlanCompiler:
     """The ``PlanCompiler`` of a runner built from ``config``: its progress bar, executable
     cache, XLA options and threads. A cache directory or key file that cannot be trusted
@@ -269,10 +269,10 @@ def stacked_copy_bytes(config: EngineConfig, model: Any) -> int:
     return 0
 
 
-def stack_layer_states(layer_states: Sequence[Any]) -> Any:
-    """One state whose every leaf stacks that leaf of each layer along a new leading axis."""
-    with startup():
-        return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layer_states)
+def stack_layer_states(layer_states: Sequence[Any], compiler: PlanCompiler) -> Any:
+    """One state whose every leaf stacks that leaf of each layer along a new leading axis, made
+    by an executable of ``compiler`` (``graph/arrays.py``: loaded from its cache when warm)."""
+    return device_arrays.stack(compiler, layer_states)
 
 
 def unstack_layer_states(stacked: Any, num_layers: int) -> list[Any]:
@@ -311,8 +311,10 @@ class ModelRunner:
         self._model_classes = {type(m) for _, m in nnx.iter_modules(model)}
         self.layer_states = [nnx.state(layer) for layer in layers]
         platform = jax.default_backend()
-        stacked = stacks_decode_weights(config, self.layer_states, platform)
-        self.stacked_layers = stack_layer_states(self.layer_states) if stacked else None
+        self.stacked_layers = None
+        if stacks_decode_weights(config, self.layer_states, platform):
+            self.stacked_layers = stack_layer_states(self.layer_states, engine_compiler(
+                config, description="stacking decode weights", fingerprint=None, mesh=self.mesh))
         self.inline_prefill = inlines_prefill_attention(config, self.layer_states, platform)
         self.alternate_decode = alternates_decode_executables(config, platform)
         self.model_def, layers_state, self.outer_state = nnx.split(
@@ -322,9 +324,11 @@ class ModelRunner:
         cache_shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
         dtype = getattr(model, "dtype", jnp.float32)
         kv_sharding = None if self.mesh is None else parallel.kv_cache_sharding(cfg, self.mesh)
-        with startup():
-            self.k_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
-            self.v_pages = [jnp.zeros(cache_shape, dtype, device=kv_sharding) for _ in layers]
+        page_spec = jax.ShapeDtypeStruct(cache_shape, dtype, sharding=kv_sharding)
+        self.store_kv_caches(device_arrays.zeros(
+            engine_compiler(config, description="allocating the KV cache", fingerprint=None,
+                            mesh=self.mesh),
+            dict.fromkeys([name for names in self._cache_names() for name in names], page_spec)))
         self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         self.decode_kernel = choose_decode_kernel(
             head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,

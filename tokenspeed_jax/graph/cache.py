@@ -14,12 +14,13 @@ without tracing (what ``executable_key`` hashes):
 * the code: a hash of every ``.py`` file of this package, plus the source file of the stage
   function when it lives elsewhere, and the function's module and qualified name;
 * what the function reads besides its arguments: the values of its closure cells when they are
-  plain scalars or strings, and otherwise the caller's ``fingerprint`` (the model runner passes
-  the model's NNX graph definition, which holds every static attribute: config, dtypes, eps,
-  the flax version, and ``classes_fingerprint`` of its own and the model's classes, so a method
-  replaced at run time is a different key). A bound method or a closure over anything else is
-  only cached when a fingerprint is given. Not seen: a module-level function replaced at run
-  time (monkeypatched) without a source change; turn the cache off for such experiments;
+  plain scalars or strings or tuples of them (shapes, dtype names), and otherwise the caller's
+  ``fingerprint`` (the model runner passes the model's NNX graph definition, which holds every
+  static attribute: config, dtypes, eps, the flax version, and ``classes_fingerprint`` of its
+  own and the model's classes, so a method replaced at run time is a different key). A bound
+  method or a closure over anything else is only cached when a fingerprint is given. Not seen:
+  a module-level function replaced at run time (monkeypatched) without a source change; turn
+  the cache off for such experiments;
 * the call: stage name, donated argument positions, parameter and metadata tree structures, every
   argument's shape, dtype and weak type, and the XLA compiler options it is compiled with; for a
   program sharded over several devices, every argument's and output's ``NamedSharding`` (mesh axis
@@ -33,7 +34,8 @@ persistent compilation cache keys on the lowered program instead, so it must tra
 every time; it is neither used nor needed here.
 
 **Entries** are files ``<key>.exe``: magic, a JSON header (segment, bucket, output shapes,
-custom-call targets, the ids of the devices it runs on, versions, sizes), the payload of
+custom-call targets, the ids of the devices it runs on, versions, sizes, and the key's
+description in compact form: each part of it, long ones as a short digest), the payload of
 ``jax.experimental.serialize_executable`` and an HMAC-SHA256 of all of it under the cache's MAC
 key (``graph/trust.py``). Invariants:
 
@@ -45,6 +47,11 @@ key (``graph/trust.py``). Invariants:
   and replaces it. Nothing in here raises into start-up except the ``ExecutableCache``
   constructor (a directory it must refuse, ``CacheTrustError`` below, or cannot create) and
   programming errors.
+* A lookup that misses while entries of the same stage exist says why at INFO: which parts of
+  the key's description (argument shapes, compiler options, package source hash, jax
+  version, ...) differ from the closest such entry. It reads headers only, each file's once per
+  ``ExecutableCache`` on its first such miss, so a start that hits every entry reads none; the
+  headers it compares are not authenticated, so a tampered one can only mislead that message.
 * Before an executable with custom calls (Pallas/Triton, Mosaic GPU, LAPACK) is deserialized,
   the modules that register those targets are imported; an entry whose known targets are still
   not registered is not loaded (it could crash the process) but recompiled. Targets of the
@@ -101,13 +108,19 @@ from tokenspeed_jax.graph.trust import make_private_directory
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when the entry layout or the key description changes
+FORMAT = 5  # bump when the entry layout or the key description changes
 MAGIC = b"TSJAXEXE"
 SUFFIX = ".exe"
 _MAC = 32  # HMAC-SHA256 trailer
 _LENGTH = struct.Struct("<Q")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 _SIMPLE = (str, int, float, bool, type(None))
+_DIGEST_ABOVE = 96  # a description part longer than this is kept in headers as a digest
+# Readable names of the description's parts, for the message of a cache miss.
+_PART_NAMES = {"package": "package source hash", "function": "stage function or its model",
+               "args": "argument shapes", "trees": "argument tree structure",
+               "outputs": "output shardings", "compiler_options": "compiler options",
+               "jax": "jax version", "jaxlib": "jaxlib version", "donate": "donated arguments"}
 # Custom-call target prefix -> module whose import registers it (jax registers the rest at start).
 _REGISTRARS = {
     "mosaic_gpu": "jax.experimental.mosaic.gpu",
@@ -143,6 +156,14 @@ def package_source_hash() -> str:
     return digest.hexdigest()
 
 
+def _plain(value: Any) -> bool:
+    """A scalar, a string, or a tuple of such values (nested): something whose repr is its
+    value in every process."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return isinstance(value, _SIMPLE)
+
+
 def _stable(value: Any) -> str:
     """A repr that is the same in every process (object addresses replaced by the type name)."""
     text = repr(value)
@@ -174,9 +195,10 @@ def environment() -> tuple[tuple[str, str], ...]:
 def function_identity(fn: Callable[..., Any], fingerprint: str | None) -> str | None:
     """What identifies ``fn``'s program besides its arguments, or None if that is unknowable.
 
-    A module-level function (or one closing over plain scalars) is identified by its module,
-    qualified name, source file and closure values. A bound method or any other closure reads
-    state the key cannot see: it is identified only together with the caller's ``fingerprint``.
+    A module-level function (or one closing over plain scalars, strings and tuples of them) is
+    identified by its module, qualified name, source file and closure values. A bound method or
+    any other closure reads state the key cannot see: it is identified only together with the
+    caller's ``fingerprint``.
     """
     target = getattr(fn, "__func__", fn)
     code = getattr(target, "__code__", None)
@@ -186,7 +208,7 @@ def function_identity(fn: Callable[..., Any], fingerprint: str | None) -> str | 
     cells = []
     for cell in getattr(target, "__closure__", None) or ():
         value = cell.cell_contents
-        if isinstance(value, _SIMPLE):
+        if _plain(value):
             cells.append(repr(value))
         else:
             needs_fingerprint = True
@@ -257,6 +279,37 @@ def _spec_key(spec: Any) -> str | None:
     return f"{spec.dtype}{list(spec.shape)}{'w' if weak else ''}{sharding}"
 
 
+@dataclasses.dataclass(frozen=True)
+class ExecutableKey:
+    """An executable's key: the digest that names its entry, and the parts of the description
+    it hashes in compact form (``compact_parts``), kept in the entry's header."""
+
+    digest: str
+    parts: dict[str, Any]
+
+    @property
+    def stage(self) -> str:
+        return self.parts["stage"]
+
+
+def _compact(value: Any) -> Any:
+    """``value`` as a header keeps it: itself when short, else a digest of its JSON."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) <= _DIGEST_ABOVE:
+        return value
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def compact_parts(description: Mapping[str, Any]) -> dict[str, Any]:
+    """The description's parts as headers keep them: the environment's items as parts of their
+    own, each argument's spec as is (so a miss can name the argument), long parts digested."""
+    parts = {name: _compact(value) for name, value in description["environment"]}
+    for name, value in description.items():
+        if name != "environment":
+            parts[name] = [_compact(v) for v in value] if name == "args" else _compact(value)
+    return parts
+
+
 def executable_key(
     *,
     stage_name: str,
@@ -266,7 +319,7 @@ def executable_key(
     donate: Sequence[int],
     out_shardings: Sequence[Any] | None = None,
     compiler_options: Mapping[str, str | bool] | None = None,
-) -> str | None:
+) -> ExecutableKey | None:
     """The cache key of one executable (see the module docstring), or None: not cacheable.
     ``out_shardings``: the explicit output shardings of a sharded program; ``compiler_options``:
     the XLA options it is compiled with."""
@@ -274,7 +327,7 @@ def executable_key(
     outputs = [_sharding_key(s) for s in out_shardings or ()]
     if identity is None or any(s is None for s in specs + outputs):
         return None
-    description = json.dumps({
+    description = {
         "environment": environment(),
         "stage": stage_name,
         "function": identity,
@@ -283,8 +336,31 @@ def executable_key(
         "donate": list(donate),
         "outputs": outputs,
         "compiler_options": sorted((compiler_options or {}).items()),
-    })
-    return hashlib.sha256(description.encode()).hexdigest()
+    }
+    digest = hashlib.sha256(json.dumps(description).encode()).hexdigest()
+    return ExecutableKey(digest, compact_parts(description))
+
+
+def _part_difference(name: str, old: Any, new: Any) -> str:
+    """One differing part of two descriptions, for a person: the part, and what changed when
+    that is short enough to show."""
+    label = _PART_NAMES.get(name, name)
+    if name == "args" and isinstance(old, list) and isinstance(new, list):
+        if len(old) != len(new):
+            return f"{label} ({len(old)} arguments -> {len(new)})"
+        changed = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+        first = changed[0]
+        return (f"{label} ({len(changed)} differ; argument {first}: {old[first]} -> "
+                f"{new[first]})")
+    if any(isinstance(v, str) and v.startswith("sha256:") for v in (old, new)):
+        return label
+    return f"{label} ({old!r} -> {new!r})"
+
+
+def describe_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The parts in which two compact descriptions (``compact_parts``) differ, for a person."""
+    return [_part_difference(name, old.get(name), new.get(name))
+            for name in dict.fromkeys([*new, *old]) if old.get(name) != new.get(name)]
 
 
 # ----------------------------------------------------------------------------- entries
@@ -323,6 +399,21 @@ def _encode(header: dict[str, Any], payload: bytes, mac_key: bytes | None) -> by
     return body + _mac(mac_key, body)
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its directory and ``os.replace``:
+    a reader sees the old file or the whole new one, never part of it."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
 def _read_header(data: bytes) -> tuple[dict[str, Any], int]:
     """(header, payload offset); CacheEntryError if the prefix is not a readable header."""
     if not data.startswith(MAGIC):
@@ -341,6 +432,17 @@ def _read_header(data: bytes) -> tuple[dict[str, Any], int]:
         raise CacheEntryError(f"unknown entry format {header.get('format')!r}"
                               if isinstance(header, dict) else "header is not an object")
     return header, start + length
+
+
+def read_header_only(path: Path) -> dict[str, Any]:
+    """The header of the entry file at ``path``, reading no payload and checking no MAC;
+    CacheEntryError (or OSError) when it cannot be read."""
+    with path.open("rb") as file:
+        prefix = file.read(len(MAGIC) + _LENGTH.size)
+        if len(prefix) < len(MAGIC) + _LENGTH.size or not prefix.startswith(MAGIC):
+            return _read_header(prefix)[0]  # raises: not an entry, or truncated
+        (length,) = _LENGTH.unpack_from(prefix, len(MAGIC))
+        return _read_header(prefix + file.read(length))[0]
 
 
 def decode(data: bytes, mac_key: bytes | None) -> tuple[dict[str, Any], bytes]:
@@ -395,28 +497,31 @@ class ExecutableCache:
         make_private_directory(self.directory)
         self._mac_key = mac_key
         self.problems = 0  # entries found corrupt, forged or unloadable in this process
+        self._stage_headers: dict[str, list[tuple[Path, dict[str, Any]]]] | None = None
 
-    def path(self, key: str) -> Path:
-        return self.directory / f"{key}{SUFFIX}"
+    def path(self, digest: str) -> Path:
+        return self.directory / f"{digest}{SUFFIX}"
 
     def _problem(self, path: Path, reason: str) -> None:
         self.problems += 1
         logger.warning("compile cache entry %s is unusable (%s): recompiling and replacing it",
                        path.name, reason)
 
-    def get(self, key: str) -> Entry | None:
-        """The verified entry of ``key``; None when absent or unusable (logged)."""
-        path = self.path(key)
+    def get(self, key: ExecutableKey, *, label: str = "") -> Entry | None:
+        """The verified entry of ``key``; None when absent (why, at INFO, when entries of the
+        same stage exist; ``label`` names the bucket there) or unusable (logged)."""
+        path = self.path(key.digest)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            self._explain_miss(key, label)
             return None
         except OSError as error:
             self._problem(path, f"unreadable: {error}")
             return None
         try:
             header, payload = decode(data, self._mac_key)
-            if header.get("key") != key:
+            if header.get("key") != key.digest:
                 raise CacheEntryError(f"entry holds key {header.get('key')!r}")
             out_specs = tuple(jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=weak)
                               for shape, dtype, weak in header["out_specs"])
@@ -424,6 +529,28 @@ class ExecutableCache:
             self._problem(path, str(error))
             return None
         return Entry(path, header, payload, out_specs)
+
+    def _explain_miss(self, key: ExecutableKey, label: str) -> None:
+        """Log which parts of ``key``'s description differ from the closest entry of its stage
+        (module docstring); nothing when there is none."""
+        if self._stage_headers is None:
+            self._stage_headers = {}
+            for path in self.files():
+                try:
+                    header = read_header_only(path)
+                except (OSError, CacheEntryError):
+                    continue  # unreadable entries are reported when they are looked up
+                if isinstance(header.get("description"), dict):
+                    self._stage_headers.setdefault(header.get("segment"), []).append(
+                        (path, header))
+        candidates = [(describe_difference(header["description"], key.parts), path, header)
+                      for path, header in self._stage_headers.get(key.stage, ())]
+        if not candidates:
+            return
+        differences, path, header = min(reversed(candidates), key=lambda c: len(c[0]))  # newest
+        logger.info("compile cache miss for %s @ %s: the closest of %d cached %r entries (%s, "
+                    "bucket %s) differs in %s", key.stage, label or "?", len(candidates),
+                    key.stage, path.name[:12], header.get("bucket"), "; ".join(differences))
 
     def load(self, entry: Entry) -> jax.stages.Compiled:
         """Deserialize ``entry`` onto this backend; CacheEntryError (logged) when it cannot."""
@@ -445,7 +572,7 @@ class ExecutableCache:
 
     def put(
         self,
-        key: str,
+        key: ExecutableKey,
         compiled: jax.stages.Compiled,
         *,
         segment: str,
@@ -458,7 +585,8 @@ class ExecutableCache:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             header = {
                 "format": FORMAT,
-                "key": key,
+                "key": key.digest,
+                "description": key.parts,
                 "segment": segment,
                 "bucket": bucket,
                 "num_args": in_tree.num_leaves,
@@ -477,24 +605,12 @@ class ExecutableCache:
             }
             if out_tree.num_leaves != len(out_specs):
                 raise ValueError(f"{out_tree.num_leaves} outputs, {len(out_specs)} specs")
-            self._write(self.path(key), _encode(header, payload, self._mac_key))
+            write_atomically(self.path(key.digest), _encode(header, payload, self._mac_key))
         except Exception as error:  # noqa: BLE001 - a failed write must not stop start-up
             logger.warning("could not cache executable %s @ %s: %s: %s", segment, bucket,
                            type(error).__name__, error)
             return False
         return True
-
-    def _write(self, path: Path, data: bytes) -> None:
-        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
 
     def files(self) -> list[Path]:
         """Entry files, oldest first (temporary files of unfinished writes excluded)."""

@@ -72,6 +72,7 @@ from tokenspeed_jax.graph.cache import (
     CacheEntryError,
     Entry,
     ExecutableCache,
+    ExecutableKey,
     executable_key,
     function_identity,
 )
@@ -165,7 +166,7 @@ class _Job:
     args: list[Any]
     donate: tuple[int, ...]
     out_shardings: tuple[Sharding, ...] | None = None  # None: no mesh, single-device program
-    cache_key: str | None = None
+    cache_key: ExecutableKey | None = None
     entry: Entry | None = None  # a cache hit: load instead of compiling
     traced: Any = None
     out_info: tuple[Any, ...] = ()
@@ -341,7 +342,7 @@ class PlanCompiler:
                 stage_name=stage.name, identity=function_identity(stage.fn, self.fingerprint),
                 trees=(meta_tree, param_tree), args=args, donate=donate,
                 out_shardings=out_shardings, compiler_options=self.compiler_options)
-            job.entry = self.cache.get(job.cache_key) if job.cache_key else None
+            job.entry = self.cache.get(job.cache_key, label=label) if job.cache_key else None
         if job.entry is not None:
             job.out_info = job.entry.out_specs
         else:
