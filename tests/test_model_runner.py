@@ -19,8 +19,11 @@ from flax import nnx
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine import model_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+from tokenspeed_jax.engine.decode_turns import DecodeTurns
 from tokenspeed_jax.engine.model_runner import ModelRunner, split_requests
+from tokenspeed_jax.engine.token_board import new_board
 from tokenspeed_jax.graph import CompileError
+from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.kernels.paged_attention_backend import FUSED, PALLAS, DecodeKernel
 from tokenspeed_jax.kernels.paged_prefill_attention import PrefillBlocks, PrefillKernel
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
@@ -607,6 +610,19 @@ def buffer_addresses(runner) -> list[int]:
     buffers = [runner.board, *(slot.sampled for slot in runner._decode_turns[2].slots),
                *runner.k_pages, *runner.v_pages]
     return [b.unsafe_buffer_pointer() for b in buffers]
+
+
+def test_decode_buffers_are_updated_in_place_from_the_first_step():
+    """A new token board and a new turn's sampled-rows buffer are device buffers of their own: a
+    view of a numpy array (what ``device_put`` may give on the CPU) cannot be donated, so the
+    first decode step would move it. Twenty new buffers of each kind and size."""
+    bump = jax.jit(lambda x: x + 1, donate_argnums=0)
+    with startup():
+        for rows in [1, 2, 16] * 20:
+            turns = DecodeTurns([None], rows)
+            for new in (new_board(rows), *(slot.sampled for slot in turns.slots)):
+                address = new.unsafe_buffer_pointer()
+                assert bump(new).unsafe_buffer_pointer() == address
 
 
 def test_decode_copies_take_turns_and_run_ahead_like_the_reference(model):
