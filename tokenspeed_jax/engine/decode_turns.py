@@ -27,6 +27,7 @@ import numpy as np
 
 from tokenspeed_jax.engine.batch import PendingStep
 from tokenspeed_jax.engine.sampling_plans import FAST_SAMPLE_WIDTH
+from tokenspeed_jax.engine.token_board import device_zeros
 from tokenspeed_jax.graph import CompiledPlan
 
 TURNS = 2
@@ -52,8 +53,7 @@ class DecodeTurns:
 
     def __init__(self, copies: Sequence[CompiledPlan], rows: int):
         spec = sampled_buffer_spec(rows)
-        self.slots = tuple(DecodeSlot(copies[i % len(copies)],
-                                      jax.device_put(np.zeros(spec.shape, spec.dtype)))
+        self.slots = tuple(DecodeSlot(copies[i % len(copies)], device_zeros(spec.shape, spec.dtype))
                            for i in range(TURNS))
         self._turn = 0
 

@@ -56,7 +56,9 @@ Invariants: the KV cache of a layer is ``[Hkv, num_pages, page_size, Dh]`` (``at
 Padding tokens have slot -1 and request -1, so they never write a KV page and never change a
 real row; padding requests own no token and sample nothing that is returned. The KV
 cache and the hand-off buffers are donated (updated in place). After ``compile_all`` nothing on
-the graph routes compiles; the guard counts (strict: raises on) any compile.
+the graph routes compiles; the guard counts (strict: raises on) any compile. The settings that
+depend on the platform (the "auto" ones and both attention kernels) are resolved in one place,
+``runner_settings``, once per runner.
 """
 
 from __future__ import annotations
@@ -117,9 +119,14 @@ from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.trust import CacheTrustError, load_mac_key
 from tokenspeed_jax.kernels.attention import write_kv
-from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, choose_decode_kernel
+from tokenspeed_jax.kernels.paged_attention_backend import (
+    PALLAS,
+    DecodeKernel,
+    choose_decode_kernel,
+)
 from tokenspeed_jax.kernels.paged_decode import decode_attention_step
 from tokenspeed_jax.kernels.paged_prefill_attention import (
+    PrefillKernel,
     choose_prefill_kernel,
     paged_prefill_attention,
     prefill_work,
@@ -260,6 +267,40 @@ def alternates_decode_executables(config: EngineConfig, platform: str) -> bool:
     return platform == "gpu" and config.tensor_parallel_size == 1
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """What a runner's platform-dependent settings resolve to (``runner_settings``)."""
+
+    stack_decode_weights: bool
+    inline_prefill_attention: bool
+    alternate_decode_executables: bool
+    decode_kernel: DecodeKernel
+    prefill_kernel: PrefillKernel
+
+
+def runner_settings(config: EngineConfig, model: Any, *, page_size: int,
+                    platform: str | None = None, mesh: Any = None) -> RunnerSettings:
+    """The one place a runner's "auto" settings and attention kernels are resolved, for
+    ``model`` (its layer weights, head shape and dtype) on ``platform`` (None: JAX's default
+    backend, the runner's; the tests resolve a GPU's on the CPU)."""
+    layer_states = [nnx.state(layer) for layer in model.layers]
+    cfg = model.config
+    cache = {"head_dim": cfg.head_dim, "page_size": page_size,
+             "dtype": getattr(model, "dtype", jnp.float32), "mesh": mesh,
+             "num_kv_heads": cfg.num_key_value_heads}
+    if platform is None:  # the kernel choosers take JAX's default backend themselves
+        platform = jax.default_backend()
+    else:
+        cache["platform"] = platform
+    return RunnerSettings(
+        stack_decode_weights=stacks_decode_weights(config, layer_states, platform),
+        inline_prefill_attention=inlines_prefill_attention(config, layer_states, platform),
+        alternate_decode_executables=alternates_decode_executables(config, platform),
+        decode_kernel=choose_decode_kernel(**cache, fused=config.fused_decode_attention),
+        prefill_kernel=choose_prefill_kernel(**cache),
+    )
+
+
 def stacked_copy_bytes(config: EngineConfig, model: Any) -> int:
     """Device bytes a ``ModelRunner`` of ``model`` adds for its stacked decode weights (0 when
     it keeps them per layer): what start-up reserves before sizing the KV cache."""
@@ -285,7 +326,10 @@ def unstack_layer_states(stacked: Any, num_layers: int) -> list[Any]:
 class ModelRunner:
     """Runs engine steps of a stage-structured causal LM on a paged KV cache it owns."""
 
-    def __init__(self, model: Any, config: EngineConfig, num_pages: int, page_size: int = 16):
+    def __init__(self, model: Any, config: EngineConfig, num_pages: int, page_size: int = 16,
+                 *, settings: RunnerSettings | None = None):
+        """``settings``: the resolved settings to run with (the tests give the GPU's); None =
+        ``runner_settings`` on JAX's default backend."""
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be >= 1")
         self.config = config
@@ -310,13 +354,17 @@ class ModelRunner:
                 raise ValueError(f"layer {index} differs in structure from layer 0")
         self._model_classes = {type(m) for _, m in nnx.iter_modules(model)}
         self.layer_states = [nnx.state(layer) for layer in layers]
-        platform = jax.default_backend()
+        if settings is None:
+            settings = runner_settings(config, model, page_size=page_size, mesh=self.mesh)
+        self.settings = settings
         self.stacked_layers = None
-        if stacks_decode_weights(config, self.layer_states, platform):
+        if settings.stack_decode_weights:
             self.stacked_layers = stack_layer_states(self.layer_states, engine_compiler(
                 config, description="stacking decode weights", fingerprint=None, mesh=self.mesh))
-        self.inline_prefill = inlines_prefill_attention(config, self.layer_states, platform)
-        self.alternate_decode = alternates_decode_executables(config, platform)
+        self.inline_prefill = settings.inline_prefill_attention
+        self.alternate_decode = settings.alternate_decode_executables
+        self.decode_kernel = settings.decode_kernel
+        self.prefill_kernel = settings.prefill_kernel
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
@@ -330,12 +378,6 @@ class ModelRunner:
                             mesh=self.mesh),
             dict.fromkeys([name for names in self._cache_names() for name in names], page_spec)))
         self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
-        self.decode_kernel = choose_decode_kernel(
-            head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
-            num_kv_heads=cfg.num_key_value_heads, fused=config.fused_decode_attention)
-        self.prefill_kernel = choose_prefill_kernel(
-            head_dim=cfg.head_dim, page_size=page_size, dtype=dtype, mesh=self.mesh,
-            num_kv_heads=cfg.num_key_value_heads)
         warn_inapplicable(config, ("disable_kda_prefill_graph",), "Llama-family models", logger)
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()

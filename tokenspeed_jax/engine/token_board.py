@@ -36,8 +36,17 @@ def board_rows(max_num_seqs: int, decode_executables: Sequence[int]) -> int:
     return max(max_num_seqs, *decode_executables, 1)
 
 
+def device_zeros(shape: int | tuple[int, ...], dtype: np.dtype) -> jax.Array:
+    """Zeros in a device buffer of their own, which a call that donates it updates in place from
+    the first call on. On the CPU, ``device_put`` of a numpy array may return a view of the
+    array's memory (jax ignores ``may_alias`` for numpy arrays), which cannot be donated: the
+    first call would move it. A copy of the device array owns its buffer, and costs no compile
+    (a warm start compiles nothing)."""
+    return jax.device_put(jax.device_put(np.zeros(shape, dtype)), may_alias=False)
+
+
 def new_board(rows: int) -> jax.Array:
-    return jax.device_put(np.zeros(rows, np.int32))
+    return device_zeros(rows, np.int32)
 
 
 def token_rows(requests: Sequence[StepRequest], rows: int) -> np.ndarray:

@@ -69,10 +69,11 @@ class LoadedModel:
     format: Format
 
 
-def resolve_dtype(dtype: str | Any) -> Any:
-    """"auto" is float32 on the CPU and bfloat16 on accelerators; else "float32" / "bfloat16"."""
+def resolve_dtype(dtype: str | Any, platform: str | None = None) -> Any:
+    """"auto" is float32 on the CPU and bfloat16 on accelerators (``platform``, default JAX's
+    default backend); else "float32" / "bfloat16"."""
     if dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported {dtype=}; expected 'auto' or one of {list(DTYPES)}")
