@@ -107,12 +107,21 @@ def test_greedy_steps_and_engine_logprobs_match_transformers(llm, top):
 
 
 def test_mixed_lengths_batched_with_preemption_match_reference(llm):
+    """Every request samples with a seed or has penalties (or both), so whichever is preempted
+    and recomputed must keep its seed's draws and its penalty counts to give the reference
+    generator's tokens."""
     prompts = random_prompts(1, 5, 37, 70, 100)
-    params = greedy(24, logprobs=0)
+    params = [greedy(24, repetition_penalty=1.3, presence_penalty=0.5, logprobs=0),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11,
+                             ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=24, temperature=0.9, repetition_penalty=1.2,
+                             presence_penalty=-0.5, seed=13, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=24, temperature=1.0, top_k=20, frequency_penalty=0.6,
+                             seed=12, ignore_eos=True, logprobs=0)]
     before = llm.stats()
     outs = llm.generate(prompts, params)
     stats = llm.stats()
-    expected = llm.reference.generate(prompts, [params] * len(prompts))
+    expected = llm.reference.generate(prompts, params)
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     for out, want in zip(outs, expected):
         np.testing.assert_allclose(logprobs(out), logprobs(want), atol=ATOL)

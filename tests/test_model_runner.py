@@ -248,14 +248,18 @@ def test_mixed_workload_never_compiles_at_runtime(model, runner):
     out = runner.step(StepBatch([
         request("a", [1], len(a), ta, outputs=[1]), request("b", b, 0, tb),
         request("c", c, 0, tc), request("d", d, 0, td)]))
+    seqs = [[*a, 1], list(b), list(c), list(d)]
+    tables = [ta, tb, tc, td]
     assert len(out.token_ids) == 4
-    check(model, runner, out.token_ids[1], out.logprobs[1], list(b), tb)
-    check(model, runner, out.token_ids[3], out.logprobs[3], list(d), td)
-    # decode of 4 requests > largest decode bucket 2: split, still compiled
+    for i, (seq, table) in enumerate(zip(seqs, tables)):
+        check(model, runner, out.token_ids[i], out.logprobs[i], seq, table)
+    # decode of 4 requests > largest decode bucket 2: split, still compiled, every row exact
     before = runner.stats()["decode_splits"]
-    decode = [request(n, [5], len(x) + 1 if n == "a" else len(x), t, outputs=[5])
-              for n, x, t in (("a", a, ta), ("b", b, tb), ("c", c, tc), ("d", d, td))]
-    runner.step(StepBatch(decode))
+    decode = [request(n, [5], len(seq), table, outputs=[5])
+              for n, seq, table in zip("abcd", seqs, tables)]
+    out = runner.step(StepBatch(decode))
+    for i, (seq, table) in enumerate(zip(seqs, tables)):
+        check(model, runner, out.token_ids[i], out.logprobs[i], [*seq, 5], table)
     stats = runner.stats()
     assert stats["decode_splits"] == before + 1
     assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
