@@ -184,6 +184,13 @@ def test_32_concurrent_mixed_requests_match_the_reference_under_preemption(serve
     assert metric(url, "tokenspeed_kv_pages_used") == 0
 
 
+def finished(url: str, reason: str) -> float:
+    """How many requests have finished with ``reason``, per /metrics."""
+    return sum(sample.value for sample in scrape(url)["tokenspeed_requests"].samples
+               if sample.name == "tokenspeed_requests_total"
+               and sample.labels == {"finish_reason": reason})
+
+
 def test_disconnect_mid_stream_frees_pages(server):
     """A client leaving mid-stream aborts its request while decode steps run ahead of it. The
     prompt is short and the output as long as the context allows, so the engine, which does not
@@ -192,6 +199,7 @@ def test_disconnect_mid_stream_frees_pages(server):
     body = {"model": MODEL_NAME, "prompt": list(range(3, 8)), "max_tokens": 91,
             "ignore_eos": True, "stream": True}
     overlapped_before = metric(url, "tokenspeed_engine_overlapped_steps_total")
+    aborted_before = finished(url, "abort")
     with httpx.Client(base_url=url, timeout=30) as http, \
             http.stream("POST", "/v1/completions", json=body) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -202,8 +210,7 @@ def test_disconnect_mid_stream_frees_pages(server):
     while metric(url, "tokenspeed_kv_pages_used") > 0 or engine.num_running:
         assert time.monotonic() < deadline, "aborted request kept its pages"
         time.sleep(0.05)
-    requests = scrape(url)["tokenspeed_requests"]
-    assert {"finish_reason": "abort"} in [sample.labels for sample in requests.samples]
+    assert finished(url, "abort") == aborted_before + 1
     assert metric(url, "tokenspeed_engine_overlapped_steps_total") > overlapped_before
 
 
