@@ -1,13 +1,15 @@
 """The on-disk executable cache across real process restarts (graph/cache.py, PlanCompiler).
 
 Each start is a fresh ``python`` process (this file run as a script) that builds a tiny Llama
-ModelRunner, compiles it against a temporary cache directory, and generates a few greedy tokens.
+ModelRunner (or the tiny Kimi-Linear KimiRunner), compiles it against a cache directory, and
+generates a few greedy tokens.
 Compiles are counted by jax's own monitoring events (backend compile, tracing, lowering) during
 ``compile_all``, never by the cache's own report. Starts are compared against the cold start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,28 +36,14 @@ NUM_STATELESS = 1 + 2 * 2
 NEW_DECODE_BUCKET = 3  # decode, resample and penalized resample of one more decode bucket
 
 
-def child(options: dict) -> None:
-    """One start-up: compile against ``options['cache_dir']``, generate, print a JSON line."""
-    from jax import monitoring
-
-    counts = {BACKEND_COMPILE: 0, TRACE: 0, LOWER: 0}
-    window = {"open": False}
-
-    def on_event(event: str, duration: float, **kwargs: object) -> None:
-        if window["open"] and event in counts:
-            counts[event] += 1
-
-    monitoring.register_event_duration_secs_listener(on_event)
-
+def llama_runner(options: dict):
+    """The tiny random Llama's ModelRunner over ``options['cache_dir']`` (not compiled yet)."""
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from tokenspeed_jax.config import EngineConfig
-    from tokenspeed_jax.engine.batch import StepBatch, StepRequest
     from tokenspeed_jax.engine.model_runner import ModelRunner
     from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
-    from tokenspeed_jax.sampling_params import SamplingParams
 
     model_config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -71,16 +59,49 @@ def child(options: dict) -> None:
         decode_graph_max_bs=max(decode), max_model_len=64, compile_progress=False,
         compile_cache_dir=options["cache_dir"], strict_no_compile=True,
         xla_compiler_options=tuple(options.get("xla", ())))
-    runner = ModelRunner(model, config, num_pages=8, page_size=16)
+    return ModelRunner(model, config, num_pages=8, page_size=16)
+
+
+def kimi_runner(options: dict):
+    """test_kimi_runner's module runner over ``options['cache_dir']`` (not compiled yet)."""
+    from test_kimi_runner import new_runner
+
+    return new_runner(compile_cache_dir=options["cache_dir"])
+
+
+# options["model"] -> (runner factory, whether each request needs a KDA state row)
+RUNNERS = {"llama": (llama_runner, False), "kimi": (kimi_runner, True)}
+
+
+def child(options: dict) -> None:
+    """One start-up: compile against ``options['cache_dir']``, generate, print a JSON line."""
+    from jax import monitoring
+
+    counts = {BACKEND_COMPILE: 0, TRACE: 0, LOWER: 0}
+    window = {"open": False}
+
+    def on_event(event: str, duration: float, **kwargs: object) -> None:
+        if window["open"] and event in counts:
+            counts[event] += 1
+
+    monitoring.register_event_duration_secs_listener(on_event)
+
+    import numpy as np
+
+    from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+    from tokenspeed_jax.sampling_params import SamplingParams
+
+    make_runner, state_rows = RUNNERS[options.get("model", "llama")]
+    runner = make_runner(options)
     window["open"] = True
     summary = runner.compile_all()
     window["open"] = False
 
     greedy = SamplingParams(temperature=0.0)
     prompts = {"a": [5, 17, 33, 2, 9], "b": [101, 7, 7, 250, 3, 64, 12, 8, 90]}
-    pages = {"a": np.array([1], np.int32), "b": np.array([2], np.int32)}
-    requests = [StepRequest(rid, np.array(ids, np.int32), 0, pages[rid], True, greedy)
-                for rid, ids in prompts.items()]
+    requests = [StepRequest(rid, np.array(ids, np.int32), 0, np.array([row + 1], np.int32), True,
+                            greedy, state_slot=row if state_rows else -1)
+                for row, (rid, ids) in enumerate(prompts.items())]
     outputs = {rid: [] for rid in prompts}
     logprobs = []
     for _ in range(4):
@@ -88,9 +109,10 @@ def child(options: dict) -> None:
         logprobs += out.logprobs.tolist()
         for request, token in zip(requests, out.token_ids.tolist()):
             outputs[request.request_id].append(token)
-        requests = [StepRequest(r.request_id, np.array([outputs[r.request_id][-1]], np.int32),
-                                r.end_pos, r.page_table, True, greedy,
-                                list(outputs[r.request_id]))
+        requests = [dataclasses.replace(r, token_ids=np.array([outputs[r.request_id][-1]],
+                                                              np.int32),
+                                        start_pos=r.end_pos,
+                                        output_token_ids=list(outputs[r.request_id]))
                     for r in requests]
     print(json.dumps({
         "backend_compiles": counts[BACKEND_COMPILE], "traces": counts[TRACE],
@@ -280,6 +302,30 @@ def test_two_processes_starting_at_once_on_an_empty_cache(cold, tmp_path):
         infos = list(ExecutableCache(directory, load_mac_key()).scan(verify=True))
         assert len(infos) == NUM_EXECUTABLES and all(i.problem is None for i in infos)
         return [*results, third]
+
+    retried(body)
+
+
+def test_kimi_executables_load_in_a_second_process():
+    """Kimi Linear's executables (KDA chunk scans and recurrent step, MLA, routed experts, state
+    restore) load in a fresh process as the Llama ones do. The starts use the session's cache
+    (conftest.py) and test_kimi_runner's runner, so that module loads what they compiled; the
+    first start loads too when the cache already holds them, from another process either way."""
+    from tokenspeed_jax.config import EngineConfig
+
+    directory = EngineConfig().compile_cache_path
+
+    def body():
+        first = start(directory, model="kimi")
+        second = start(directory, model="kimi")
+        if not same_code(first, second):
+            return first, second
+        assert first["compiled"] + first["loaded"] == first["executables"] > 10
+        assert (second["backend_compiles"], second["traces"], second["lowerings"]) == (0, 0, 0)
+        assert second["loaded"] == second["direct"] == first["executables"]
+        assert second["compiled"] == 0 and second["runtime_compiles"] == 0
+        assert (second["outputs"], second["logprobs"]) == (first["outputs"], first["logprobs"])
+        return first, second
 
     retried(body)
 
