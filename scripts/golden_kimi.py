@@ -13,8 +13,10 @@ Kimi-Linear-48B-A3B; ``tiny_kimi_qlora``: a low-rank query path):
 - ``<name>.npz``: ``prompt_ids`` int32 [B, T] (two rows, no padding), ``logits`` float32 [B, T, V]
   of one fp32 forward of the prompts; ``greedy_ids`` int32 [B, N], the tokens
   ``generate(do_sample=False)`` appends (transformers' own cache: chunked KDA prefill, then the
-  recurrent KDA step and the conv update per token); ``greedy_margin`` float32 [B, N], top-1 minus
-  top-2 logit at each greedy step (seeds with a margin under ``MIN_GREEDY_MARGIN`` are rejected).
+  recurrent KDA step and the conv update per token); ``greedy_logits`` float32 [B, N, V], the
+  logits each greedy token was picked from (``generate``'s ``output_logits``); ``greedy_margin``
+  float32 [B, N], top-1 minus top-2 logit at each greedy step (seeds with a margin under
+  ``MIN_GREEDY_MARGIN`` are rejected).
 
 The torch-only path: transformers picks fla's Triton kernels when the ``fla`` package imports, and
 fla-core imports even without triton here. The script blocks the ``fla`` and ``causal_conv1d``
@@ -176,14 +178,17 @@ def _check_reload(directory: pathlib.Path, original: torch.nn.Module) -> torch.n
     return model.eval()
 
 
-def _greedy(model: torch.nn.Module, prompt: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def _greedy(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, np.ndarray]:
+    """The greedy tokens, the logits each was picked from and the top-1 minus top-2 margins."""
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                          max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                         output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+                         output_scores=True, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0)
     scores = torch.stack(out.scores, dim=1)  # [B, N, V]
     top2 = scores.topk(2, dim=-1).values
-    margin = (top2[..., 0] - top2[..., 1]).numpy().astype(np.float32)
-    return out.sequences[:, prompt.shape[1]:].numpy().astype(np.int32), margin
+    return {"greedy_ids": out.sequences[:, prompt.shape[1]:].numpy().astype(np.int32),
+            "greedy_logits": torch.stack(out.logits, dim=1).numpy().astype(np.float32),
+            "greedy_margin": (top2[..., 0] - top2[..., 1]).numpy().astype(np.float32)}
 
 
 def write_model(name: str, config: dict, golden_dir: pathlib.Path) -> None:
@@ -200,10 +205,11 @@ def write_model(name: str, config: dict, golden_dir: pathlib.Path) -> None:
         prompt = torch.randint(3, VOCAB_SIZE, (BATCH, PROMPT_LENGTH), generator=generator)
         with torch.no_grad():
             logits = model(prompt).logits.numpy().astype(np.float32)
-        greedy_ids, margin = _greedy(model, prompt)
+        greedy = _greedy(model, prompt)
+        margin = greedy["greedy_margin"]
         if margin.min() >= MIN_GREEDY_MARGIN:
             np.savez(golden_dir / f"{name}.npz", prompt_ids=prompt.numpy().astype(np.int32),
-                     logits=logits, greedy_ids=greedy_ids, greedy_margin=margin)
+                     logits=logits, **greedy)
             print(f"{name}: seed {seed}, min greedy margin {margin.min():.3g}")
             return
     raise RuntimeError(f"{name}: no seed in {MAX_SEED_TRIES} gives a clear greedy path")
@@ -217,6 +223,10 @@ def check_model(name: str, golden_dir: pathlib.Path) -> None:
         logits = model(torch.from_numpy(data["prompt_ids"]).long()).logits.numpy()
     if not np.allclose(logits, data["logits"], atol=1e-5, rtol=1e-5):
         raise RuntimeError(f"{name}: logits do not reproduce")
+    greedy_logits = data["greedy_logits"]
+    if (greedy_logits.shape != (*data["greedy_ids"].shape, VOCAB_SIZE)
+            or not np.array_equal(greedy_logits.argmax(-1), data["greedy_ids"])):
+        raise RuntimeError(f"{name}: greedy_logits do not pick greedy_ids")
 
 
 def write_all(golden_dir: pathlib.Path) -> None:

@@ -10,6 +10,9 @@ generation_config.json, tokenizer.json, tokenizer_config.json with a chat templa
   max_new_tokens=16)`` appends (never cut short by EOS: a seed whose greedy path hits EOS, repeats
   fewer than ``MIN_DISTINCT_GREEDY`` distinct tokens, or whose top-2 logits come closer than
   ``MIN_GREEDY_MARGIN`` anywhere on it, is rejected for the next one);
+- ``greedy_logits`` / ``greedy_logits_2``: float32 [16, V], the logits each greedy token was
+  picked from (``generate``'s ``output_logits``: step 0 is the prompt's last position, step i
+  the forward of the i-th greedy token through transformers' own KV cache);
 - ``greedy_margin`` / ``greedy_margin_2``: float32 [16], top-1 minus top-2 logit at each greedy step.
 
 The goldens are computed from the model reloaded from its directory, so they pin the files as saved.
@@ -249,6 +252,7 @@ def _reference_outputs(model: torch.nn.Module, prompt: np.ndarray, eos_id: int) 
             do_sample=False,
             max_new_tokens=NEW_TOKENS,
             output_scores=True,
+            output_logits=True,
             return_dict_in_generate=True,
         )
     greedy = out.sequences[0, len(prompt):].numpy().astype(np.int32)
@@ -259,7 +263,9 @@ def _reference_outputs(model: torch.nn.Module, prompt: np.ndarray, eos_id: int) 
     margin = (top2[:, 1] - top2[:, 0]).astype(np.float32)
     if margin.min() < MIN_GREEDY_MARGIN:
         return None
-    return {"logits": logits.astype(np.float32), "greedy_ids": greedy, "greedy_margin": margin}
+    greedy_logits = torch.stack(out.logits)[:, 0].numpy().astype(np.float32)
+    return {"logits": logits.astype(np.float32), "greedy_ids": greedy,
+            "greedy_logits": greedy_logits, "greedy_margin": margin}
 
 
 def _dir_bytes(directory: pathlib.Path) -> int:
@@ -317,13 +323,16 @@ def check_model(name: str, golden_dir: pathlib.Path) -> None:
     with np.load(golden_dir / f"{name}.npz") as data:
         for suffix, length in zip(("", "_2"), PROMPT_LENGTHS, strict=True):
             prompt, logits = data[f"prompt_ids{suffix}"], data[f"logits{suffix}"]
-            greedy = data[f"greedy_ids{suffix}"]
+            greedy, greedy_logits = data[f"greedy_ids{suffix}"], data[f"greedy_logits{suffix}"]
             if prompt.shape != (length,) or prompt.dtype != np.int32:
                 raise ValueError(f"{name} prompt_ids{suffix}: {prompt.shape} {prompt.dtype}")
             if logits.shape != (length, vocab) or logits.dtype != np.float32:
                 raise ValueError(f"{name} logits{suffix}: {logits.shape} {logits.dtype}")
             if greedy.shape != (NEW_TOKENS,) or greedy.max() >= vocab:
                 raise ValueError(f"{name} greedy_ids{suffix}: {greedy.shape} max {greedy.max()}")
+            if greedy_logits.shape != (NEW_TOKENS, vocab) or not np.array_equal(
+                    greedy_logits.argmax(-1), greedy):
+                raise ValueError(f"{name} greedy_logits{suffix} do not pick greedy_ids{suffix}")
             if not np.isfinite(logits).all() or logits.std() < 0.3:
                 raise ValueError(f"{name} logits{suffix} not finite or flat: std {logits.std()}")
             print(

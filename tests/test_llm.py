@@ -1,7 +1,9 @@
 """The public API end to end: ``LLM`` on real checkpoints against transformers' golden outputs.
 
-``LLM`` runs the serving engine (compiled segmented plans); its outputs are checked against
-transformers' and against the plain reference generator, with runtime compiles forbidden.
+``LLM.generate`` runs the serving engine (compiled segmented plans); its tokens and its own
+per-step log-probabilities are checked against transformers' and against the plain reference
+generator, with runtime compiles forbidden. ``LLM.logits`` runs the reference forward, not the
+engine: its tests pin that forward (the expectation of every engine test) to transformers.
 """
 
 import json
@@ -11,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from golden_checks import assert_steps_match_golden, step_logprobs
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.config import EngineConfig
@@ -76,7 +79,23 @@ def test_smollm2_knows_the_capital_of_france(smollm2):
     assert out.finish_reason == "stop"
 
 
-def test_smollm2_logits_match_transformers(smollm2, smollm2_golden):
+def test_smollm2_engine_top_logprobs_match_transformers(smollm2, smollm2_golden):
+    """The engine's 20 best first tokens are transformers' 20 best logits, shifted by one
+    log-partition (the golden holds those 20 logits, not the whole row)."""
+    golden = smollm2_golden["first_prompt_last_logits"]
+    (out,) = smollm2.generate([smollm2_golden["prompts"][0]["prompt_ids"]],
+                              SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
+    (step,) = out.logprobs
+    ids, values = zip(*step.top)
+    assert list(ids[:5]) == golden["top_ids"][:5]
+    assert set(ids) == set(golden["top_ids"])
+    shift = np.array(values) - np.array([golden["top_values"][golden["top_ids"].index(i)]
+                                         for i in ids])
+    np.testing.assert_allclose(shift, shift[0], atol=2e-4)
+    assert smollm2.stats()["runtime_compiles"] == 0
+
+
+def test_smollm2_reference_logits_match_transformers(smollm2, smollm2_golden):
     golden = smollm2_golden["first_prompt_last_logits"]
     logits = smollm2.logits(smollm2_golden["prompts"][0]["prompt_ids"])[-1]
     assert logits.shape == (golden["vocab_size"],)
@@ -86,14 +105,20 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_golden):
                                atol=2e-4)
 
 
-def test_tiny_greedy_continuations_match_transformers(tiny):
+# 0: the in-step sampler's log-probability of the greedy token; 20: resampled from the head's logits
+@pytest.mark.parametrize("top", [0, 20])
+def test_tiny_greedy_steps_and_engine_logprobs_match_transformers(tiny, top):
     llm, golden = tiny
-    outs = llm.generate([golden["prompt_ids"].tolist(), golden["prompt_ids_2"].tolist()], GREEDY)
-    assert outs[0].token_ids == golden["greedy_ids"].tolist()
-    assert outs[1].token_ids == golden["greedy_ids_2"].tolist()
+    outs = llm.generate([golden["prompt_ids"].tolist(), golden["prompt_ids_2"].tolist()],
+                        SamplingParams(max_tokens=16, temperature=0.0, logprobs=top))
+    for out, suffix in zip(outs, ("", "_2"), strict=True):
+        assert out.token_ids == golden[f"greedy_ids{suffix}"].tolist()
+        assert_steps_match_golden(step_logprobs(out), golden[f"greedy_logits{suffix}"],
+                                  label=f"prompt_ids{suffix}")
+    assert llm.stats()["runtime_compiles"] == 0
 
 
-def test_tiny_logits_match_transformers(tiny):
+def test_tiny_reference_logits_match_transformers(tiny):
     llm, golden = tiny
     logits = llm.logits(golden["prompt_ids_2"].tolist())
     scale = np.abs(golden["logits_2"]).max()

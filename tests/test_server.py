@@ -20,6 +20,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, running_server
 
+from tokenspeed_jax import SamplingParams
 from tokenspeed_jax.engine.engine import AsyncEngine, Engine, build_engine
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.tokenizer import Tokenizer
@@ -128,27 +129,41 @@ def test_n_samples_greedy_and_seeded(client, reference):
     assert sorted(c.index for c in response.choices) == [0, 1, 2]
     assert [c.text for c in response.choices] == [expected] * 3
 
-    def seeded():
-        return [c.text for c in client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=7,
-            extra_body={"ignore_eos": True}).choices]
+    seeded = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1.0, n=2, seed=7,
+        extra_body={"ignore_eos": True})
+    # the j-th of n samples draws with seed + j
+    assert [c.text for c in sorted(seeded.choices, key=lambda c: c.index)] == [
+        reference.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7 + j,
+                                                    ignore_eos=True))[0].text
+        for j in range(2)]
 
-    assert seeded() == seeded()
+
+# What the concurrent requests ask for, in turn: greedy, seeded sampling, penalties, or both.
+MIXED_SETTINGS = (
+    {"temperature": 0.0},
+    {"temperature": 0.9, "top_p": 0.95, "seed": 100},
+    {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+    {"temperature": 0.8, "top_k": 30, "presence_penalty": 0.6, "seed": 200},
+)
 
 
-def test_32_concurrent_mixed_requests_match_llm_generate_under_preemption(server, reference):
+def test_32_concurrent_mixed_requests_match_the_reference_under_preemption(server, reference):
+    """Preempted requests recompute their prompt and output and go on with the same seeded draws
+    and penalty counts: every request's text is the reference generator's."""
     url, _ = server
     rng = np.random.default_rng(0)
     vocab = reference.tokenizer.vocab_size
     prompts = [rng.integers(3, vocab, rng.integers(2, 50)).tolist() for _ in range(32)]
     max_tokens = [int(rng.integers(1, 24)) for _ in range(32)]
-    expected = [reference.generate([p], greedy(m, ignore_eos=True))[0].text
-                for p, m in zip(prompts, max_tokens)]
+    settings = [{**MIXED_SETTINGS[i % len(MIXED_SETTINGS)], "max_tokens": m, "ignore_eos": True}
+                for i, m in enumerate(max_tokens)]
+    expected = [reference.generate([p], SamplingParams(**s))[0].text
+                for p, s in zip(prompts, settings)]
     preemptions_before = metric(url, "tokenspeed_num_preemptions_total")
 
-    async def one(http: httpx.AsyncClient, prompt, limit, stream):
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": limit, "temperature": 0,
-                "ignore_eos": True, "stream": stream}
+    async def one(http: httpx.AsyncClient, prompt, request_settings, stream):
+        body = {"model": MODEL_NAME, "prompt": prompt, **request_settings, "stream": stream}
         if not stream:
             response = await http.post("/v1/completions", json=body)
             return response.json()["choices"][0]["text"]
@@ -161,12 +176,19 @@ def test_32_concurrent_mixed_requests_match_llm_generate_under_preemption(server
 
     async def everything():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            return await asyncio.gather(*(one(http, p, m, i % 2 == 0)
-                                          for i, (p, m) in enumerate(zip(prompts, max_tokens))))
+            return await asyncio.gather(*(one(http, p, s, stream=i < 16)
+                                          for i, (p, s) in enumerate(zip(prompts, settings))))
 
     assert asyncio.run(everything()) == expected
     assert metric(url, "tokenspeed_num_preemptions_total") > preemptions_before
     assert metric(url, "tokenspeed_kv_pages_used") == 0
+
+
+def finished(url: str, reason: str) -> float:
+    """How many requests have finished with ``reason``, per /metrics."""
+    return sum(sample.value for sample in scrape(url)["tokenspeed_requests"].samples
+               if sample.name == "tokenspeed_requests_total"
+               and sample.labels == {"finish_reason": reason})
 
 
 def test_disconnect_mid_stream_frees_pages(server):
@@ -177,6 +199,7 @@ def test_disconnect_mid_stream_frees_pages(server):
     body = {"model": MODEL_NAME, "prompt": list(range(3, 8)), "max_tokens": 91,
             "ignore_eos": True, "stream": True}
     overlapped_before = metric(url, "tokenspeed_engine_overlapped_steps_total")
+    aborted_before = finished(url, "abort")
     with httpx.Client(base_url=url, timeout=30) as http, \
             http.stream("POST", "/v1/completions", json=body) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -187,8 +210,7 @@ def test_disconnect_mid_stream_frees_pages(server):
     while metric(url, "tokenspeed_kv_pages_used") > 0 or engine.num_running:
         assert time.monotonic() < deadline, "aborted request kept its pages"
         time.sleep(0.05)
-    requests = scrape(url)["tokenspeed_requests"]
-    assert {"finish_reason": "abort"} in [sample.labels for sample in requests.samples]
+    assert finished(url, "abort") == aborted_before + 1
     assert metric(url, "tokenspeed_engine_overlapped_steps_total") > overlapped_before
 
 

@@ -1,11 +1,12 @@
-"""Tensor parallelism: tp=1, 2 and 4 give the same tokens and logits, with no runtime compile.
+"""Tensor parallelism: at tp=2 and 4 the engine gives transformers' greedy tokens and, at every
+step, log-probabilities equal to log_softmax of transformers' logits; nothing compiles at runtime.
 
 The main test process sees one device, so the sharded runs happen in subprocesses that set
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax is imported: this file run as a
 script is that worker (``python tests/test_tensor_parallel.py <mode> ...``; it prints one JSON
-line). The reference is the tp=1 run of the same engine (itself pinned to HF transformers by the
-golden tests) and the HF logits of ``tests/golden``; tiny Llama and Qwen3 have 4 query heads and
-2 KV heads, so tp=4 exercises replicated KV heads and tp=2 split ones.
+line). The expectations are the HF goldens of ``tests/golden`` (greedy tokens and the logits of
+each greedy step, see ``golden_checks``); tiny Llama and Qwen3 have 4 query heads and 2 KV heads,
+so tp=4 exercises replicated KV heads and tp=2 split ones.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from golden_checks import assert_steps_match_golden, step_logprobs
 
 GOLDEN = Path(__file__).parent / "golden"
 MODELS = ("tiny_llama", "tiny_qwen3")
-SIZES = (1, 2, 4)
-PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53])
+SIZES = (2, 4)
+SUFFIXES = ("", "_2")  # the goldens' two prompts: prompt_ids (40 tokens) and prompt_ids_2 (60)
 ENGINE = {  # a few small buckets keep each start-up compile to seconds
     "strict_no_compile": True, "compile_progress": False, "dtype": "float32",
-    "max_model_len": 48, "num_pages": 24, "page_size": 8, "max_num_seqs": 2,
+    "max_model_len": 80, "num_pages": 24, "page_size": 8, "max_num_seqs": 2,
     "prefill_graph_max_tokens": 16, "prefill_graph_capture_token_sizes": (16,),
     "prefill_graph_capture_batch_sizes": (1,), "prefill_graph_max_bs": 1,
     "decode_graph_capture_batch_sizes": (2,), "decode_graph_max_bs": 2,
@@ -35,22 +37,20 @@ ENGINE = {  # a few small buckets keep each start-up compile to seconds
 # ----------------------------------------------------------------------------- the worker
 
 
-def _golden_prompt(model: str) -> list[int]:
-    return np.load(GOLDEN / f"{model}.npz")["prompt_ids"].tolist()
-
-
 def _generate(model: str, tp: int, **options) -> dict:
+    """The golden prompts' greedy steps with their 20 best log-probabilities (``step_logprobs``)
+    and ``LLM.logits`` (the reference forward over the sharded weights) of the first prompt."""
     from tokenspeed_jax import LLM, SamplingParams
 
+    golden = np.load(GOLDEN / f"{model}.npz")
     llm = LLM(str(GOLDEN / model), tensor_parallel_size=tp, **{**ENGINE, **options})
-    completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
-                                                             logprobs=5, ignore_eos=True))
+    completions = llm.generate([golden[f"prompt_ids{s}"].tolist() for s in SUFFIXES],
+                               SamplingParams(temperature=0.0, max_tokens=16, logprobs=20,
+                                              ignore_eos=True))
     layer = llm.model.layers[0]
     result = {
-        "tokens": [c.token_ids for c in completions],
-        "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
-        "top": [[[v for _, v in lp.top] for lp in c.logprobs] for c in completions],
-        "logits": llm.logits(_golden_prompt(model)).tolist(),
+        "steps": [step_logprobs(c) for c in completions],
+        "logits": llm.logits(golden["prompt_ids"].tolist()).tolist(),
         "runtime_compiles": llm.stats()["runtime_compiles"],
         "loaded": llm.compile_summary.num_loaded,
         "compiled": llm.compile_summary.num_compiled,
@@ -108,32 +108,28 @@ def runs() -> dict:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_tp_sizes_give_the_same_tokens_and_logits(runs, model):
-    base = runs[model]["1"]
+def test_sharded_engines_give_the_transformers_tokens_and_logprobs(runs, model):
     golden = np.load(GOLDEN / f"{model}.npz")
     for tp in ("2", "4"):
-        run = runs[model][tp]
-        assert run["tokens"] == base["tokens"], f"tp={tp}"
-        for got, want in zip(run["logprobs"], base["logprobs"]):
-            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"tp={tp}")
-        for got, want in zip(run["top"], base["top"]):
-            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"tp={tp}")
-        np.testing.assert_allclose(run["logits"], base["logits"], atol=2e-5, rtol=1e-5)
-    # The forward over weights split 4 ways still matches HF transformers' logits.
-    np.testing.assert_allclose(runs[model]["4"]["logits"], golden["logits"], atol=1e-4)
+        for steps, suffix in zip(runs[model][tp]["steps"], SUFFIXES, strict=True):
+            label = f"tp={tp} prompt_ids{suffix}"
+            assert steps["token_ids"] == golden[f"greedy_ids{suffix}"].tolist(), label
+            assert_steps_match_golden(steps, golden[f"greedy_logits{suffix}"], label=label)
+        # LLM.logits: the reference forward over the same sharded weights
+        np.testing.assert_allclose(runs[model][tp]["logits"], golden["logits"], atol=1e-4,
+                                   err_msg=f"tp={tp}")
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_sharded_runs_compile_nothing_at_runtime(runs, model):
-    for tp in ("1", "2", "4"):
+    for tp in ("2", "4"):
         assert runs[model][tp]["runtime_compiles"] == 0, f"tp={tp}"
 
 
 def test_weights_and_kv_cache_are_split_by_head(runs):
     # tiny_llama: 4 query heads, 2 KV heads, head_dim 16, hidden 64.
-    one, two, four = (runs["tiny_llama"][tp] for tp in ("1", "2", "4"))
-    assert [one["q_proj_devices"], two["q_proj_devices"], four["q_proj_devices"]] == [1, 2, 4]
-    assert one["q_proj_shard"] == [64, 4, 16]
+    two, four = (runs["tiny_llama"][tp] for tp in ("2", "4"))
+    assert [two["q_proj_devices"], four["q_proj_devices"]] == [2, 4]
     assert two["q_proj_shard"] == [64, 2, 16]
     assert four["q_proj_shard"] == [64, 1, 16]
     # pages [Hkv, num_pages, page_size, Dh]: split over 2 devices, replicated over 4 (Hkv=2 < 4)
@@ -150,7 +146,7 @@ def test_sharded_executables_are_cached_across_processes(tmp_path):
     second = run_worker("cache", "2", str(tmp_path))
     assert first["compiled"] > 0 and first["loaded"] == 0
     assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
-    assert second["tokens"] == first["tokens"]
+    assert second["steps"] == first["steps"]
     assert second["runtime_compiles"] == 0
 
 

@@ -2,13 +2,13 @@
 
 Like ``test_tensor_parallel.py``, the sharded runs happen in a subprocess that sees 4 CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=4``): this file run as a script is that
-worker and prints one JSON line. Expectations: the tp=1 run of the same engine (itself pinned to
-HF transformers by the golden tests), the HF logits of ``tests/golden/tiny_kimi.npz``, and for the
-decode kernel the plain-JAX reference attention.
+worker and prints one JSON line. Expectations: HF transformers' greedy tokens and the logits of
+each greedy step in ``tests/golden/tiny_kimi.npz`` (``golden_checks``), the tp=1 run of the same
+engine (itself pinned to the same golden file by ``test_kimi_engine.py``), and for the decode
+kernel the plain-JAX reference attention.
 
-The tiny Kimi checkpoint has 2 heads (KDA and MLA) and 8 experts: at tp=2 it must give HF's
-greedy tokens and logits (the tp=1 engine is pinned to the same golden file by
-``test_kimi_engine.py``), and tp=4 is an error naming the head count. tp=1 and 4 are compared
+The tiny Kimi checkpoint has 2 heads (KDA and MLA) and 8 experts: at tp=2 the engine's greedy
+tokens and per-step log-probabilities must be HF's, and tp=4 is an error naming the head count. tp=1 and 4 are compared
 on a 4-head variant with random weights written here in the checkpoint format
 (``kimi_weight_map`` gives every tensor's name and shape). Each engine start-up compiles about 18
 executables (~20 s on 2 cores), so the worker builds only three engines.
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from golden_checks import assert_steps_match_golden, step_logprobs
 
 GOLDEN = Path(__file__).parent / "golden"
 VOCAB = 256
@@ -115,13 +116,11 @@ def _generate(path: Path, tp: int, *, golden: bool = False) -> dict:
     prompts = data["prompt_ids"].tolist() if golden else list(PROMPTS)
     max_tokens = data["greedy_ids"].shape[1] if golden else 6
     completions = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                       logprobs=5, ignore_eos=True))
+                                                       logprobs=20, ignore_eos=True))
     runner = llm.runner
     mlp = llm.model.layers[1].mlp
     result = {
-        "tokens": [c.token_ids for c in completions],
-        "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
-        "top": [[[v for _, v in lp.top] for lp in c.logprobs] for c in completions],
+        "steps": [step_logprobs(c) for c in completions],
         "logits": llm.logits(data["prompt_ids"][0].tolist()).tolist(),
         "runtime_compiles": llm.stats()["runtime_compiles"],
         "routes": {r: llm.stats()[f"{r}_runs"] for r in ("inline", "decode", "eager")},
@@ -204,8 +203,7 @@ def _llama_pallas_decode(tp: int, fused: bool = True) -> dict:
     completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
                                                              logprobs=0, ignore_eos=True))
     kernel = llm.runner.decode_kernel
-    result = {"tokens": [c.token_ids for c in completions],
-              "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
+    result = {"steps": [step_logprobs(c) for c in completions],
               "backend": kernel.backend, "kernel_devices": 0 if kernel.mesh is None
               else kernel.mesh.size, "decode_runs": llm.stats()["decode_graph_runs"],
               "runtime_compiles": llm.stats()["runtime_compiles"]}
@@ -248,11 +246,13 @@ LOGPROB_ATOL = 5e-5
 
 
 def assert_same_run(run: dict, base: dict, label: str) -> None:
-    assert run["tokens"] == base["tokens"], label
-    for got, want in zip(run["logprobs"], base["logprobs"]):
-        np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, err_msg=label)
-    for got, want in zip(run.get("top", []), base.get("top", [])):
-        np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, err_msg=label)
+    for got, want in zip(run["steps"], base["steps"], strict=True):
+        assert got["token_ids"] == want["token_ids"], label
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=LOGPROB_ATOL,
+                                   err_msg=label)
+        for got_top, want_top in zip(got["top"], want["top"], strict=True):
+            np.testing.assert_allclose([v for _, v in got_top], [v for _, v in want_top],
+                                       atol=LOGPROB_ATOL, err_msg=label)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -263,9 +263,13 @@ def kimi() -> dict:
     return run_worker("kimi")
 
 
-def test_kimi_tp2_gives_the_transformers_tokens_and_logits(kimi):
+def test_kimi_tp2_gives_the_transformers_tokens_and_logprobs(kimi):
     golden = np.load(GOLDEN / "tiny_kimi.npz")
-    assert kimi["tiny"]["tokens"] == golden["greedy_ids"].tolist()
+    for row, steps in enumerate(kimi["tiny"]["steps"]):
+        label = f"tp=2 prompt {row}"
+        assert steps["token_ids"] == golden["greedy_ids"][row].tolist(), label
+        assert_steps_match_golden(steps, golden["greedy_logits"][row], label=label)
+    # LLM.logits: the reference forward over the same sharded weights
     np.testing.assert_allclose(kimi["tiny"]["logits"], golden["logits"][0], atol=1e-4)
 
 

@@ -2,7 +2,9 @@
 
 ``LLM(model, **options)`` builds the same engine the server runs (segmented plans compiled at
 start-up, continuous batching over a paged KV cache); ``options`` are ``EngineConfig`` fields.
-``llm.reference`` is the plain dense-cache generator every fast path is tested against;
+``generate`` and ``chat`` run that engine; ``logits`` does not: it runs ``llm.reference``, the
+plain dense-cache forward every fast path is tested against (the engine computes logits only
+where it samples; its own log-probabilities come with ``SamplingParams(logprobs=k)``).
 ``llm.config`` is the configuration as run (``build_engine`` may clamp or turn off settings).
 
 Invariants: ``LLM(None)`` is the embedded default model (SmolLM2-135M-Instruct); a prompt is a
@@ -74,7 +76,9 @@ class LLM:
                 for c in conversations]
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 [len(token_ids), vocab]: next-token logits after each prefix of ``token_ids``."""
+        """float32 [len(token_ids), vocab]: next-token logits after each prefix of ``token_ids``,
+        from the reference forward (the model's plain jitted forward over a dense cache, on the
+        same weights and mesh), not from the engine's compiled plans."""
         ids = self._encode(token_ids)
         self.engine.check_prompt(ids)
         return self.reference.logits(ids)
