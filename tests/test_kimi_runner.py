@@ -5,7 +5,9 @@ pool (checkpoints included); padded requests and tokens never write a pool row o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -54,13 +56,19 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
     assert not any("does not apply" in m for m in warnings(CONFIG))
 
 
-def new_runner(**config) -> KimiRunner:
-    """The tiny Kimi checkpoint's runner with ``CONFIG`` (fields replaced by ``config``), not yet
-    compiled. ``test_compile_cache`` starts it in fresh processes on the session's executable
-    cache, so this module's runners load what those processes compiled."""
+def runner_builder(**config) -> Callable[[], KimiRunner]:
+    """Builds the tiny Kimi checkpoint's runner with ``CONFIG`` (fields replaced by ``config``),
+    not yet compiled; the checkpoint is loaded now. ``test_compile_cache`` starts it in fresh
+    processes on the session's executable cache, so this module's runners load what those
+    processes compiled."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    return KimiRunner(checkpoint.model, dataclasses.replace(CONFIG, **config), num_pages=24,
-                      num_state_slots=6, page_size=PAGE)
+    return functools.partial(KimiRunner, checkpoint.model, dataclasses.replace(CONFIG, **config),
+                             num_pages=24, num_state_slots=6, page_size=PAGE)
+
+
+def new_runner(**config) -> KimiRunner:
+    """The runner ``runner_builder(**config)`` builds."""
+    return runner_builder(**config)()
 
 
 @pytest.fixture(scope="module")
