@@ -2,6 +2,9 @@
 
 ``LLM(model, **options)`` builds the same engine the server runs (segmented plans compiled at
 start-up, continuous batching over a paged KV cache); ``options`` are ``EngineConfig`` fields.
+With background compile (``background_compile``) it returns once a skeleton of the buckets is
+compiled, the others compiling in a background thread (``llm.runner.ladders.wait()`` waits for
+them); results do not depend on which buckets are ready.
 ``llm.reference`` is the plain dense-cache generator every fast path is tested against;
 ``llm.config`` is the configuration as run (``build_engine`` may clamp or turn off settings).
 
