@@ -698,13 +698,15 @@ LADDER = dataclasses.replace(
     decode_graph_capture_batch_sizes=None, decode_graph_max_bs=8, background_compile=True)
 
 
-def test_serves_from_the_skeleton_while_the_ladder_compiles(model):
+def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
     """With background compile, ``compile_all`` returns once the skeleton is compiled. Driving
     the deferred compile one bucket plan at a time: every step takes the smallest ready bucket,
     with no compile on its path (strict guard) and the reference forward's tokens, log-probs and
     K/V; each rung is ready once all its plans are; and once the ladder is complete the same
-    requests pad less, with the same tokens."""
-    runner = ModelRunner(model, LADDER, 64, PAGE)
+    requests pad less, with the same tokens. (A cache of its own: a deferred plan the cache
+    held whole would be ready at once.)"""
+    runner = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path)),
+                         64, PAGE)
     summary = runner.compile_all(start_background=False)
     try:
         assert runner.buckets == model_runner.Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8))

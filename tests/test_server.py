@@ -288,9 +288,9 @@ def test_metrics_counts_are_counters_that_grow_and_levels_are_gauges(server):
     assert (observations(after["tokenspeed_e2e_request_latency_seconds"])
             == total(after["tokenspeed_requests"]))
     assert after["tokenspeed_ready"].samples[0].value == 1
-    # tokens (32, 64), prefill requests (4,), decode (8,): too few rungs to defer any
+    # tokens (32, 64), prefill requests (4, 8), decode (8,): too few rungs to defer any
     assert (after["tokenspeed_buckets_ready"].samples[0].value
-            == after["tokenspeed_buckets_capacity"].samples[0].value == 4)
+            == after["tokenspeed_buckets_capacity"].samples[0].value == 5)
 
 
 def test_starting_server_answers_503_and_is_not_ready():

@@ -77,7 +77,7 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.model_runner import Buckets, compiles_in_background, engine_compiler
+from tokenspeed_jax.engine.model_runner import Buckets, engine_compiler
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
@@ -239,7 +239,6 @@ class KimiRunner:
         self.pages_per_request = math.ceil(config.max_model_len / page_size)
         self.scale = float(model.attention_scale)
         self.buckets = Buckets.from_config(config, prefill=True, decode=True)
-        self.background = compiles_in_background(config, jax.default_backend())
         self.dtype = model.dtype
         self.mesh = parallel.make_mesh(config.tensor_parallel_size)
         if self.mesh is not None:
@@ -511,7 +510,7 @@ class KimiRunner:
         compiler = engine_compiler(self.config, description="compiling Kimi executables",
                                    fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         full = self.buckets
-        skeleton = full.skeleton() if self.background else full
+        skeleton = full.skeleton() if self.config.background_compile else full
         ladders = self.ladders = LadderCompiler(compiler, full, skeleton)
         shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
             self.mesh, list(self.pools))

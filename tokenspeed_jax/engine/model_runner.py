@@ -57,7 +57,7 @@ Padding tokens have slot -1 and request -1, so they never write a KV page and ne
 real row; padding requests own no token and sample nothing that is returned. The KV
 cache and the hand-off buffers are donated (updated in place). After ``compile_all`` nothing on
 the graph routes compiles; the guard counts (strict: raises on) any compile. With background
-compile (``compiles_in_background``) ``compile_all`` compiles a skeleton of the buckets and a
+compile (``background_compile``) ``compile_all`` compiles a skeleton of the buckets and a
 thread the others (``engine/ladders.py``); steps choose among the buckets that are ready
 (``ready``), whose largest are the full ladders' largest, so only the padding changes.
 """
@@ -173,7 +173,6 @@ def split_requests(
 # SmolLM2 shape's step took 3.27 ms on one row, 2.76 ms on two, on an H200).
 MIN_DECODE_ROWS = 2
 SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
-AUTO_BACKGROUND_COMPILE = ("gpu",)  # platforms whose XLA compiles are slow enough (autotuning)
 
 
 def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str,
@@ -238,14 +237,6 @@ class Buckets:
         return Buckets(*(skeleton(ladder, ratio) if ladder else () for ladder, ratio in
                          ((self.tokens, SKELETON_RATIO), (self.prefill_requests, None),
                           (self.decode_requests, None))))
-
-
-def compiles_in_background(config: EngineConfig, platform: str) -> bool:
-    """Whether a runner compiles a skeleton of its buckets before serving and the rest in the
-    background (``engine/ladders.py``): an explicit setting, else AUTO_BACKGROUND_COMPILE."""
-    if config.background_compile is not None:
-        return config.background_compile
-    return platform in AUTO_BACKGROUND_COMPILE
 
 
 def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
@@ -340,7 +331,6 @@ class ModelRunner:
         self.stacked_layers = stack_layer_states(self.layer_states) if stacked else None
         self.inline_prefill = inlines_prefill_attention(config, self.layer_states, platform)
         self.alternate_decode = alternates_decode_executables(config, platform)
-        self.background = compiles_in_background(config, platform)
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
@@ -643,14 +633,15 @@ class ModelRunner:
 
     def compile_all(self, *, start_background: bool = True) -> CompileSummary:
         """Compile every executable a request can reach, fatal on failure, then arm the guard.
-        With background compile (``compiles_in_background``) only the skeleton's
+        With ``background_compile`` only the skeleton's
         (``Buckets.skeleton``) are compiled here and a thread compiles the others, each bucket
         ready for the next step once its plans are (``engine/ladders.py``); without
         ``start_background``, ``ladders.compile_deferred`` compiles them when called."""
         compiler = engine_compiler(self.config, description="compiling executables",
                                    fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         ladders = self.ladders = LadderCompiler(
-            compiler, self.buckets, self.buckets.skeleton() if self.background else self.buckets)
+            compiler, self.buckets,
+            self.buckets.skeleton() if self.config.background_compile else self.buckets)
         caches = self._cache_specs()
         shardings = {} if self.mesh is None else parallel.plan_value_shardings(
             self.model_config, self.mesh, list(caches))
