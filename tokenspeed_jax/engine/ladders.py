@@ -78,7 +78,7 @@ class LadderCompiler:
         self._missing: dict[Rung, set[str]] = {rung: set() for rung in rungs(full)}
         self._needed_by: dict[str, list[Rung]] = {}
         self._stores: dict[str, Callable[[CompiledPlan], None]] = {}
-        self.ready = dataclasses.replace(full, tokens=(), prefill_requests=(), decode_requests=())
+        self.ready = dataclasses.replace(full, **{f.name: () for f in dataclasses.fields(full)})
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,7 +111,7 @@ class LadderCompiler:
     def add_resampler(self, resampler: Resampler, rows: int) -> None:
         """Add the full-sampler plans of ``rows`` rows (once): every rung whose head or decode
         step has ``rows`` rows needs them."""
-        needed_by = [*self.decode_rungs(rows)]
+        needed_by = self.decode_rungs(rows)
         if rows in self.full.prefill_requests:
             needed_by.append(("prefill_requests", rows))
         for label, key, plan, inputs, meta in resampler.plans_for(rows):

@@ -557,10 +557,14 @@ class PlanCompiler:
         finally:
             self._deferred_lock.release()
 
+    @staticmethod
+    def _jobs_of(buckets: list[_Bucket]) -> list[_Job]:
+        """The distinct jobs of bound ``buckets``, in call order."""
+        return list({id(job): job for bucket in buckets for job, _, _ in bucket.bound}.values())
+
     def _pending(self, buckets: list[_Bucket]) -> list[_Job]:
-        """The distinct jobs of ``buckets`` that have no executable yet, in call order."""
-        return list({id(job): job for bucket in buckets for job, _, _ in bucket.bound
-                     if job.executable is None}.values())
+        """The jobs of ``buckets`` that have no executable yet."""
+        return [job for job in self._jobs_of(buckets) if job.executable is None]
 
     def _make_ready(self, buckets: list[_Bucket], bar: Any, pass_: _Pass
                     ) -> dict[str, CompiledPlan]:
@@ -575,14 +579,15 @@ class PlanCompiler:
                     if job.loaded:
                         bar.set_postfix_str(f"{job.name} @ {job.label} (cached)", refresh=False)
                         bar.update()
-            pass_.load_seconds += time.perf_counter() - load_start
+            if any(job.loaded for job in hits):
+                pass_.load_seconds += time.perf_counter() - load_start
         compile_start = time.perf_counter()
         self._compile_pending([job for job in pending if not job.loaded], bar)
         pass_.compile_wall_seconds += time.perf_counter() - compile_start
         for job in pending:
             job.direct = direct_call(job.executable, job.num_args)
         pass_.jobs += pending
-        for job in {id(job): job for b in buckets for job, _, _ in b.bound}.values():
+        for job in self._jobs_of(buckets):
             if len(job.spares) < job.spares_wanted:
                 self._load_spares(job)
         compiled = {}
@@ -599,7 +604,7 @@ class PlanCompiler:
         per_label = {bucket.label: 0.0 for bucket in buckets}
         for job in pass_.jobs:
             per_label[job.label] = per_label.get(job.label, 0.0) + job.seconds
-        used = {id(job): job for b in buckets for job, _, _ in b.bound}.values()
+        used = self._jobs_of(buckets)
         return CompileSummary(
             num_executables=len(used),
             num_calls=sum(len(bucket.bound) for bucket in buckets),
