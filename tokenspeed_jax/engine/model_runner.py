@@ -119,7 +119,6 @@ from tokenspeed_jax.graph import (
     skeleton,
     token_ladder,
 )
-from tokenspeed_jax.graph.buckets import SKELETON_RATIO
 from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
 from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.graph.trust import CacheTrustError, load_mac_key
@@ -231,12 +230,14 @@ class Buckets:
 
     def skeleton(self) -> Buckets:
         """The rungs compiled before serving when the rest compile in the background: token
-        buckets about ``SKELETON_RATIO`` apart from the smallest to the largest (``graph.
-        skeleton``), and the smallest and largest request-count buckets of prefill and decode.
-        Empty ladders (routes that are off) stay empty."""
-        return Buckets(*(skeleton(ladder, ratio) if ladder else () for ladder, ratio in
-                         ((self.tokens, SKELETON_RATIO), (self.prefill_requests, None),
-                          (self.decode_requests, None))))
+        buckets about 4x apart from the smallest to the largest (``graph.skeleton``), and the
+        smallest and largest request-count buckets of prefill and decode. Empty ladders (routes
+        that are off) stay empty."""
+        def ends(ladder: tuple[int, ...]) -> tuple[int, ...]:
+            return skeleton(ladder, None) if ladder else ()
+
+        return Buckets(skeleton(self.tokens) if self.tokens else (), ends(self.prefill_requests),
+                       ends(self.decode_requests))
 
 
 def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
@@ -633,10 +634,10 @@ class ModelRunner:
 
     def compile_all(self, *, start_background: bool = True) -> CompileSummary:
         """Compile every executable a request can reach, fatal on failure, then arm the guard.
-        With ``background_compile`` only the skeleton's
-        (``Buckets.skeleton``) are compiled here and a thread compiles the others, each bucket
-        ready for the next step once its plans are (``engine/ladders.py``); without
-        ``start_background``, ``ladders.compile_deferred`` compiles them when called."""
+        With ``background_compile`` only the skeleton's (``Buckets.skeleton``) are compiled
+        here and a thread compiles the others, each bucket ready for the next step once its
+        plans are (``engine/ladders.py``); without ``start_background``,
+        ``ladders.compile_deferred`` compiles them when called."""
         compiler = engine_compiler(self.config, description="compiling executables",
                                    fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         ladders = self.ladders = LadderCompiler(
