@@ -98,7 +98,7 @@ GAUGES: dict[str, tuple[str, str]] = {
         "Buckets (token, prefill request and decode ladder rungs) whose executables are ready."),
     "buckets_total": (
         "tokenspeed_buckets_capacity",
-        "Buckets of every ladder; the rest of them compile in the background."),
+        "Buckets of every ladder, ready or still compiling in the background."),
 }
 
 
