@@ -73,8 +73,11 @@ class LadderCompiler:
         self.compiler = compiler
         self.full = full
         self._skeleton = rungs(skeleton)
-        if not self._skeleton <= rungs(full):
-            raise ValueError(f"skeleton {skeleton} is not part of the ladders {full}")
+        tops = [(getattr(full, f.name)[-1:], getattr(skeleton, f.name)[-1:])
+                for f in dataclasses.fields(full)]
+        if not self._skeleton <= rungs(full) or any(a != b for a, b in tops):
+            raise ValueError(f"skeleton {skeleton} must be part of the ladders {full} and keep "
+                             f"each one's largest rung")
         self._missing: dict[Rung, set[str]] = {rung: set() for rung in rungs(full)}
         self._needed_by: dict[str, list[Rung]] = {}
         self._stores: dict[str, Callable[[CompiledPlan], None]] = {}
