@@ -113,7 +113,7 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
         prefill_graph_capture_token_sizes=tuple(sizes), prefill_graph_max_tokens=top,
         chunked_prefill_size=top, prefill_graph_capture_batch_sizes=(1,), prefill_graph_max_bs=1,
         decode_graph_capture_batch_sizes=(1,), decode_graph_max_bs=1, max_model_len=top,
-        inline_prefill_attention=False)
+        inline_prefill_attention=False, background_compile=False)
     runner = ModelRunner(model, config, num_pages=top // PAGE_SIZE + 1, page_size=PAGE_SIZE)
     summary = runner.compile_all()
     print(summary.table())
@@ -189,7 +189,7 @@ def decode_runner(model, batches: list[int], context: int,
         decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE,
         fused_decode_attention=fused is not None, xla_compiler_options=xla_compiler_options,
         stack_decode_weights=stack_decode_weights,
-        alternate_decode_executables=alternate_decode_executables)
+        alternate_decode_executables=alternate_decode_executables, background_compile=False)
     runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
                          page_size=PAGE_SIZE)
     if fused is not None:

@@ -90,7 +90,7 @@ def main() -> None:
         prefill_graph_max_bs=max(args.prefill_requests),
         decode_graph_capture_batch_sizes=tuple(args.decode_batches),
         decode_graph_max_bs=max(args.decode_batches), max_model_len=max_len,
-        compile_progress=True, compile_cache=False)
+        compile_progress=True, compile_cache=False, background_compile=False)
     runner = KimiRunner(model, engine, num_pages=pages_each * max_requests,
                         num_state_slots=max_requests, page_size=PAGE_SIZE)
     summary = runner.compile_all()

@@ -47,7 +47,8 @@ def build(shape_name: str, batches: list[int], tokens: int, dtype: str, work: Pa
                prefill_graph_capture_batch_sizes=(max_batch,), max_num_seqs=max_batch,
                decode_graph_capture_batch_sizes=tuple(batches), max_model_len=512,
                num_pages=max_batch * (PROMPT_TOKENS + tokens) // 16 + 2 * max_batch,
-               compile_progress=False, enable_prefix_caching=False)
+               compile_progress=False, enable_prefix_caching=False,
+               background_compile=False)
 
 
 def generate_seconds(llm: LLM, prompts: list[list[int]], tokens: int) -> float:

@@ -2,9 +2,10 @@
 
 For each case a child process is started twice on one empty cache directory: the first start
 compiles and fills the cache (cold), the second loads from it (warm). The parent times each from
-spawning the process to the child's "ready" line, then the child runs a short greedy generation
-(or the kernels) and reports a digest of the outputs, which must be identical between the two
-starts.
+spawning the process to the child's "ready" line and to its "ladder" line, once every bucket
+is compiled (later than ready with background compile, ``EngineConfig.background_compile``),
+then the child runs a short greedy generation (or the kernels) and reports a digest of the
+outputs, which must be identical between the two starts.
 
 Cases:
 * ``smollm2``: the embedded SmolLM2 GGUF, or with --random-weights (or --tiny) a random checkpoint
@@ -102,7 +103,7 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
             chunked_prefill_size=args.server_ladder, max_model_len=4096, num_pages=1024,
             page_size=PAGE_SIZE, compile_progress=False, compile_cache_dir=cache_dir,
             dtype=_dtype(args), inline_prefill_attention=args.inline_prefill_attention,
-            compile_threads=args.compile_threads)
+            compile_threads=args.compile_threads, background_compile=args.background_compile)
     if args.tiny:
         sizes = {"tokens": (16,), "prefill_bs": (1, 2), "decode": (1, 2), "max_len": 64,
                  "pages": 8}
@@ -119,12 +120,12 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
         num_pages=sizes["pages"], page_size=PAGE_SIZE, compile_progress=False,
         compile_cache_dir=cache_dir, dtype=_dtype(args),
         inline_prefill_attention=args.inline_prefill_attention,
-        compile_threads=args.compile_threads)
+        compile_threads=args.compile_threads, background_compile=args.background_compile)
 
 
 def _engine(config):
     """``build_engine(config)`` as the server runs it, the checkpoint load timed on its own:
-    (runner with every executable ready, compile summary, checkpoint load seconds)."""
+    (runner ready to serve, compile summary, checkpoint load seconds)."""
     from tokenspeed_jax import parallel
     from tokenspeed_jax.engine.engine import build_engine
     from tokenspeed_jax.models.loader import load_model
@@ -260,7 +261,8 @@ class BackendCompiles:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One start-up: print READY with phase timings when serving could begin, then DONE."""
+    """One start-up: print READY with phase timings when serving could begin, LADDER once
+    every bucket is compiled, then DONE."""
     start = time.perf_counter()
     compiles = BackendCompiles()  # imports jax and the plan compiler: part of the import phase
     if args.case != "kda":  # the server's modules, timed as imports
@@ -286,6 +288,9 @@ def child(args: argparse.Namespace) -> None:
         "backend_compiles": len(compiles.seconds),
         "plan_backend_compiles": compiles.in_plans,
         "backend_compile_s": sum(compiles.seconds)}), flush=True)
+    if args.case != "kda":
+        runner.ladders.wait()
+    print("LADDER", flush=True)
     print("DONE " + json.dumps({"outputs": run()}), flush=True)
 
 
@@ -299,6 +304,9 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
                        else "--no-inline-prefill-attention")
     command += ["--model", str(model_dir)] * (model_dir is not None)
     command += ["--compile-threads", str(args.compile_threads)]
+    if args.background_compile is not None:
+        command.append("--background-compile" if args.background_compile
+                       else "--no-background-compile")
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -306,6 +314,8 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
         if line.startswith("READY "):
             result["ready_s"] = time.perf_counter() - began
             result.update(json.loads(line[6:]))
+        elif line.startswith("LADDER"):
+            result["ladder_s"] = time.perf_counter() - began
         elif line.startswith("DONE "):
             result.update(json.loads(line[5:]))
     if process.wait() != 0 or "outputs" not in result:
@@ -336,10 +346,12 @@ def seconds(value: float | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    """Cold and warm start per case; the cold start's compile threads and the wall time of its
-    plan compiles; the phases (import, checkpoint load, executables loaded from the cache) and
-    the compiles outside the plans are the warm start's."""
-    print(f"{'case':<15} {'write s':>7} {'cold s':>7} {'warm s':>7} {'warm/cold':>9} "
+    """Cold and warm start per case, to ready and the cold start to a complete ladder; the cold
+    start's compile threads and the wall time of its start-up plan compiles; the phases
+    (import, checkpoint load, executables loaded from the cache) and the compiles outside the
+    plans are the warm start's."""
+    print(f"{'case':<15} {'write s':>7} {'cold s':>7} {'ladder s':>8} {'warm s':>7} "
+          f"{'warm/cold':>9} "
           f"{'compiled':>8} {'threads':>7} {'compile wall s':>14} {'loaded':>6} "
           f"{'compiles cold/warm':>18} {'non-plan warm':>13} "
           f"{'import s':>8} {'ckpt s':>6} {'exe load s':>10} {'same out':>8}")
@@ -347,7 +359,8 @@ def print_table(rows: list[dict]) -> None:
         cold, warm = row["cold"], row["warm"]
         non_plan = warm["backend_compiles"] - warm["plan_backend_compiles"]
         print(f"{row['case']:<15} {seconds(row['checkpoint_write_s']):>7} "
-              f"{cold['ready_s']:7.1f} {warm['ready_s']:7.1f} {row['warm_over_cold']:9.1%} "
+              f"{cold['ready_s']:7.1f} {cold['ladder_s']:8.1f} {warm['ready_s']:7.1f} "
+              f"{row['warm_over_cold']:9.1%} "
               f"{cold['compiled']:8d} {cold['threads']:7d} {cold['compile_wall_s']:14.1f} "
               f"{warm['loaded']:6d} "
               f"{cold['backend_compiles']:>11d}/{warm['backend_compiles']:<6d} {non_plan:13d} "
@@ -370,6 +383,9 @@ def main() -> None:
                              "option; unset: its auto rule)")
     parser.add_argument("--compile-threads", type=int, default=1,
                         help="executables compiled at once (EngineConfig's compile_threads)")
+    parser.add_argument("--background-compile", action=argparse.BooleanOptionalAction,
+                        help="serve after a skeleton of the buckets, the rest compiled in the "
+                             "background, or not (EngineConfig's option; unset: its auto rule)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
@@ -389,6 +405,7 @@ def main() -> None:
                 "jax": jax.__version__, "tiny": args.tiny, "server_ladder": args.server_ladder,
                 "inline_prefill_attention": args.inline_prefill_attention,
                 "compile_threads": args.compile_threads,
+                "background_compile": args.background_compile,
                 "xla_flags": os.environ.get("XLA_FLAGS")}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

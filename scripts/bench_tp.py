@@ -125,7 +125,7 @@ def compiled_runner(family: Family, model: Any, tp: int, *, prefill: dict[str, A
     config = EngineConfig(
         tensor_parallel_size=tp, decode_graph_capture_batch_sizes=decode_batches,
         decode_graph_max_bs=max(decode_batches), max_model_len=max_len, compile_progress=False,
-        compile_cache=False, **prefill)
+        compile_cache=False, background_compile=False, **prefill)
     runner = family.runner(model, config, pages, slots)
     summary = runner.compile_all()
     print(f"  {summary.describe()}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from tokenspeed_jax.graph.buckets import (
     choose_bucket,
     explicit_ladder,
     padding_waste,
+    skeleton,
     token_ladder,
 )
 
@@ -81,3 +82,24 @@ def test_config_rejects_bad_values_naming_them():
         EngineConfig(compile_threads=0)
     with pytest.raises(ValueError, match="kda_state_dtype must be one of .*got 'float16'"):
         EngineConfig(kda_state_dtype="float16")
+
+
+def test_skeleton_of_the_default_token_ladder_is_rungs_four_times_apart():
+    assert skeleton(token_ladder(8192)) == (16, 32, 128, 512, 2048, 8192)
+    assert skeleton(token_ladder(100)) == (16, 32, 100)  # 25 is nearer 32 than 16 in ratio
+    assert skeleton(token_ladder(32)) == (16, 32)
+    assert skeleton((7,)) == (7,)
+    assert skeleton(batch_ladder(64), None) == (1, 64)
+    with pytest.raises(ValueError, match="ratio must be > 1"):
+        skeleton((16, 32), 1)
+
+
+@pytest.mark.parametrize("top", [8192, 3000, 100])
+def test_skeleton_fits_what_the_ladder_fits_with_bounded_padding(top):
+    """A size that fits the ladder fits the skeleton, in a bucket at most 4x the one the full
+    ladder picks."""
+    ladder = token_ladder(top)
+    rungs = skeleton(ladder)
+    assert set(rungs) <= set(ladder) and rungs[-1] == top
+    worst = max(choose_bucket(rungs, n) / choose_bucket(ladder, n) for n in range(1, top + 1))
+    assert worst <= 4

@@ -3,6 +3,7 @@ compile guard, fatal start-up failures, plan validation, and the docs example.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import runpy
 import threading
@@ -321,3 +322,100 @@ def test_positional_replay_matches_named_replay():
         compiled.run_positional(carried, {"step": {"factor": np.ones(16, np.int32)}})
     with pytest.raises(ValueError, match="one-call"):
         compile_plan()[0]["rows=16"].run_positional([jax.device_put(x)], {})
+
+
+def add_buckets(compiler: PlanCompiler, sizes, *, deferred=()) -> None:
+    for size in sizes:
+        compiler.add(f"rows={size}", PLAN, {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)},
+                     {"scale": {"factor": jax.ShapeDtypeStruct((size,), jnp.float32)}},
+                     deferred=size in deferred)
+
+
+def check_plan(plan, size: int) -> None:
+    rng = np.random.default_rng(size)
+    x = rng.normal(size=(size, WIDTH)).astype(np.float32)
+    factor = rng.uniform(0.5, 2.0, size).astype(np.float32)
+    out = plan.run({"x": jax.device_put(x)}, {"scale": {"factor": factor}})["x"]
+    np.testing.assert_allclose(np.asarray(out), numpy_reference(x, factor), rtol=1e-4, atol=1e-5)
+
+
+def test_deferred_buckets_compile_later_one_bucket_at_a_time():
+    """``compile_all`` compiles the buckets that are not deferred; ``compile_deferred`` compiles
+    the others one bucket at a time in the order they were added, handing each plan over when
+    it is complete; every plan computes the numpy reference."""
+    compiler = PlanCompiler(progress=False)
+    add_buckets(compiler, (8, 16, 32), deferred=(8, 16))
+    plans, summary = compiler.compile_all()
+    assert set(plans) == {"rows=32"}
+    assert (summary.num_executables, summary.num_compiled, summary.num_deferred) == (2, 2, 2)
+    ready = {}
+    first = compiler.compile_deferred(ready.__setitem__, limit=1)
+    assert list(ready) == ["rows=8"]
+    assert (first.num_compiled, first.num_deferred, compiler.num_deferred) == (2, 1, 1)
+    rest = compiler.compile_deferred(ready.__setitem__)
+    assert list(ready) == ["rows=8", "rows=16"]
+    assert (rest.num_compiled, rest.num_deferred, compiler.num_deferred) == (2, 0, 0)
+    assert compiler.compile_deferred(ready.__setitem__).num_executables == 0
+    for size, plan in ((8, ready["rows=8"]), (16, ready["rows=16"]), (32, plans["rows=32"])):
+        check_plan(plan, size)
+
+
+def test_a_deferred_bucket_the_cache_holds_whole_loads_at_start_up(tmp_path):
+    """A warm start has no background work: a deferred bucket whose executables are all in the
+    cache is loaded by ``compile_all``; one that misses stays deferred."""
+    cache = ExecutableCache(tmp_path, load_mac_key())
+    warm = PlanCompiler(progress=False, cache=cache)
+    add_buckets(warm, (16,))
+    warm.compile_all()
+    compiler = PlanCompiler(progress=False, cache=cache)
+    add_buckets(compiler, (16, 32), deferred=(16, 32))
+    plans, summary = compiler.compile_all()
+    assert set(plans) == {"rows=16"}
+    assert (summary.num_loaded, summary.num_compiled, summary.num_deferred) == (2, 0, 1)
+    ready = {}
+    later = compiler.compile_deferred(ready.__setitem__)
+    assert set(ready) == {"rows=32"} and (later.num_loaded, later.num_compiled) == (0, 2)
+    check_plan(plans["rows=16"], 16)
+    check_plan(ready["rows=32"], 32)
+
+
+def test_deferred_compiles_on_another_thread_are_start_up_work():
+    """Serving under a strict guard while another thread compiles the deferred buckets: the
+    guard counts none of that thread's compiles, and still raises on this thread's."""
+    compiler = PlanCompiler(progress=False)
+    add_buckets(compiler, (16, 32), deferred=(32,))
+    plans, _ = compiler.compile_all()
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    try:
+        ready = {}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            background = pool.submit(compiler.compile_deferred, ready.__setitem__)
+            check_plan(plans["rows=16"], 16)
+            assert background.result().num_compiled == 2  # raises what the thread raised
+        assert set(ready) == {"rows=32"}
+        check_plan(ready["rows=32"], 32)
+        assert guard.runtime_compiles == 0
+        with pytest.raises(RuntimeCompileError):
+            fresh_compile(5)
+    finally:
+        guard.disarm()
+
+
+def test_a_deferred_compile_failure_is_fatal_and_leaves_the_bucket_deferred():
+    def fragile(weight, x):
+        if x.shape[0] == 32:
+            raise ValueError("unsupported row count")
+        return block(weight, x)
+
+    plan = Plan([Call(Segment("fragile_block", fragile, ("x",), ("x",)), WEIGHTS[0])],
+                ("x",), ("x",))
+    compiler = PlanCompiler(progress=False)
+    for size in (16, 32):
+        compiler.add(f"rows={size}", plan,
+                     {"x": jax.ShapeDtypeStruct((size, WIDTH), jnp.float32)}, deferred=True)
+    assert compiler.compile_all()[0] == {}
+    ready = []
+    with pytest.raises(CompileError, match=r"'fragile_block'.*rows=32"):
+        compiler.compile_deferred(lambda label, plan: ready.append(label))
+    assert ready == ["rows=16"] and compiler.num_deferred == 1

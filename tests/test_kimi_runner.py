@@ -351,3 +351,32 @@ def test_a_model_without_kda_layers_runs_with_nothing_to_restore(runner):
     pools = noisy_pools(mla_only, 6)
     assert_same(run(mla_only, pools, "inline", requests), run(mla_only, pools, "eager", requests))
     mla_only.guard.disarm()
+
+
+def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
+    """Background compile: of token buckets (32, 64, 128) the skeleton compiles 32 and 128
+    before serving. A 50-token step runs in the 128-token plans until the deferred compile has
+    added 64, then in those; tokens and pools are the eager reference's either way, and
+    nothing compiles on the step's path. (The ordinary route alone: half the compiles.)"""
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    config = dataclasses.replace(CONFIG, prefill_graph_capture_token_sizes=(32, 64, 128),
+                                 disable_kda_prefill_graph=True, background_compile=True)
+    ladder = KimiRunner(checkpoint.model, config, num_pages=24, num_state_slots=6,
+                        page_size=PAGE)
+    ladder.compile_all(start_background=False)
+    try:
+        long, short = prompts(6)
+        batch = [request("a", long[:20], 0, 0, slot=1), request("b", short[:30], 0, 8, slot=3)]
+        pools = noisy_pools(runner, 8)
+        expected = run(runner, pools, "eager", batch)
+        assert ladder.ready.tokens == (32, 128) and ladder.bucket("ordinary", batch) == (128, 2)
+        assert_same(run(ladder, pools, "step", batch), expected)
+        ladder.ladders.compile_deferred()
+        assert ladder.ready == ladder.buckets and ladder.bucket("ordinary", batch) == (64, 2)
+        assert_same(run(ladder, pools, "step", batch), expected)
+        stats = ladder.stats()
+        assert stats["ordinary_runs"] == 2 and stats["padded_tokens"] == (128 - 50) + (64 - 50)
+        assert stats["runtime_compiles"] == 0
+        assert (stats["buckets_ready"], stats["buckets_total"]) == (5, 5)
+    finally:
+        ladder.guard.disarm()

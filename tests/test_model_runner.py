@@ -779,3 +779,84 @@ def test_default_runner_on_the_cpu_is_segmented_with_per_layer_weights(runner):
     assert len(runner.encoder_plan.calls) == 2 * CONFIG.num_hidden_layers + 1
     with pytest.raises(ValueError, match="stack_decode_weights"):
         EngineConfig(stack_decode_weights=True, tensor_parallel_size=2)
+
+
+# Background compile over ladders with rungs to defer: tokens (16, 32, 64), prefill requests
+# (1, 2, 4), decode requests (1, 2, 4, 8); the skeleton leaves out tokens 32, requests 2 and
+# decode bucket 4 (decode bucket 2 shares the skeleton's two-row executable with bucket 1).
+LADDER = dataclasses.replace(
+    ENGINE, prefill_graph_capture_token_sizes=(16, 32, 64), prefill_graph_max_tokens=64,
+    chunked_prefill_size=64, prefill_graph_capture_batch_sizes=None, prefill_graph_max_bs=4,
+    decode_graph_capture_batch_sizes=None, decode_graph_max_bs=8, background_compile=True)
+
+
+def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
+    """With background compile, ``compile_all`` returns once the skeleton is compiled. Driving
+    the deferred compile one bucket plan at a time: every step takes the smallest ready bucket,
+    with no compile on its path (strict guard) and the reference forward's tokens, log-probs and
+    K/V; each rung is ready once all its plans are; and once the ladder is complete the same
+    requests pad less, with the same tokens. (A cache of its own: a deferred plan the cache
+    held whole would be ready at once.)"""
+    runner = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path)),
+                         64, PAGE)
+    summary = runner.compile_all(start_background=False)
+    try:
+        assert runner.buckets == model_runner.Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8))
+        assert runner.ready == model_runner.Buckets((16, 64), (1, 4), (1, 2, 8))
+        assert summary.num_deferred == 4  # decode B=4, head B=2, prefill and narrow T=32
+        assert (runner.stats()["buckets_ready"], runner.stats()["buckets_total"]) == (7, 10)
+
+        def serve() -> tuple[list[list[int]], int]:
+            """Three prompts of 26 tokens in one prefill step, then two decode steps of three
+            requests, each checked against the reference: the tokens and the padding run."""
+            before = runner.stats()["padded_tokens"]
+            _, seqs = generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)
+            return seqs, runner.stats()["padded_tokens"] - before
+
+        first, padded = serve()
+        assert padded == (64 - 26) + 2 * (8 - 3)  # token bucket 64, decode bucket 8
+        readiness = []
+        while not runner.ladders.complete:
+            runner.ladders.compile_deferred(limit=1)
+            readiness.append(runner.ready)
+            assert serve()[0] == first
+        assert readiness == [
+            model_runner.Buckets((16, 64), (1, 4), (1, 2, 4, 8)),  # decode B=4
+            model_runner.Buckets((16, 64), (1, 2, 4), (1, 2, 4, 8)),  # head B=2
+            model_runner.Buckets((16, 64), (1, 2, 4), (1, 2, 4, 8)),  # T=32 needs its narrowing
+            model_runner.Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8)),
+        ]
+        assert runner.ready == runner.buckets
+        seqs, padded = serve()
+        assert seqs == first and padded == (32 - 26) + 2 * (4 - 3)
+        stats = runner.stats()
+        assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
+        assert (stats["buckets_ready"], stats["buckets_total"]) == (10, 10)
+    finally:
+        runner.guard.disarm()
+
+
+def test_a_background_compile_failure_surfaces_at_the_next_step(model, monkeypatch):
+    """A bucket that fails to compile on the background thread is fatal as at start-up: the
+    error names the segment and the bucket, and the runner's next step raises it."""
+    layer_type = type(model.layers[0])
+    original = layer_type.attention_outputs
+
+    def failing(self, hidden, attn):
+        if hidden.shape[0] == 4:
+            raise RuntimeError("injected failure")
+        return original(self, hidden, attn)
+
+    monkeypatch.setattr(layer_type, "attention_outputs", failing)
+    config = dataclasses.replace(LADDER, disable_prefill_graph=True, compile_cache=False)
+    runner = ModelRunner(model, config, 64, PAGE)
+    runner.compile_all()  # the skeleton's decode executables have 2 and 8 rows
+    try:
+        with pytest.raises(CompileError, match=r"'decode'.*B=4.*injected failure"):
+            runner.ladders.wait()
+        assert runner.ready.decode_requests == (1, 2, 8)
+        decode = [request("a", [3], 5, Pages().take(6), outputs=[3])]
+        with pytest.raises(CompileError, match=r"background compile failed.*'decode'.*B=4"):
+            runner.step(StepBatch(decode))
+    finally:
+        runner.guard.disarm()

@@ -280,7 +280,7 @@ DENSE_GAUGES = {
     "tokenspeed_ready", "tokenspeed_num_requests_running", "tokenspeed_num_requests_waiting",
     "tokenspeed_kv_pages_used", "tokenspeed_kv_pages_capacity", "tokenspeed_kv_cache_usage_ratio",
     "tokenspeed_prefix_cache_hit_rate", "tokenspeed_engine_decode_device_bound",
-    "tokenspeed_padding_waste",
+    "tokenspeed_padding_waste", "tokenspeed_buckets_ready", "tokenspeed_buckets_capacity",
 }
 HISTOGRAMS = {
     "tokenspeed_time_to_first_token_seconds", "tokenspeed_time_per_output_token_seconds",
@@ -310,6 +310,9 @@ def test_metrics_counts_are_counters_that_grow_and_levels_are_gauges(server):
     assert (observations(after["tokenspeed_e2e_request_latency_seconds"])
             == total(after["tokenspeed_requests"]))
     assert after["tokenspeed_ready"].samples[0].value == 1
+    # tokens (32, 64), prefill requests (4, 8), decode (8,): too few rungs to defer any
+    assert (after["tokenspeed_buckets_ready"].samples[0].value
+            == after["tokenspeed_buckets_capacity"].samples[0].value == 5)
 
 
 def test_starting_server_answers_503_and_is_not_ready():

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
-from serving import free_port
+from serving import Reference, free_port, greedy
 
 MODEL_DIR = "tests/golden/tiny_llama"
 SERVE = [sys.executable, "scripts/serve.py"]
@@ -42,9 +42,10 @@ SERVE_TINY = ["--model", MODEL_DIR, "--served-model-name", "tiny", "--max-model-
 
 
 @contextlib.contextmanager
-def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
     """scripts/serve.py on the tiny model in a process of its own, once it printed ``ready:``;
-    yields the process and its base URL, and kills it if the test left it running."""
+    yields the process, its base URL and the ready line, and kills it if the test left it
+    running."""
     port = free_port()
     process = subprocess.Popen(
         [*SERVE, *SERVE_TINY, "--port", str(port), *flags],
@@ -60,7 +61,7 @@ def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
             lines.append(process.stdout.readline())
         ready = next(line for line in lines if line.startswith("ready:"))
         assert "executables in" in ready
-        yield process, f"http://127.0.0.1:{port}"
+        yield process, f"http://127.0.0.1:{port}", ready
     finally:
         if process.poll() is None:
             process.kill()
@@ -82,7 +83,7 @@ def stream_with_sigterm(process: subprocess.Popen, url: str, body: dict) -> list
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0():
-    with serving() as (process, url):
+    with serving() as (process, url, _):
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True,
                 "temperature": 0, "stream_options": {"include_usage": True}}
         events = stream_with_sigterm(process, url, body)
@@ -96,7 +97,7 @@ def test_sigterm_ends_requests_still_running_at_the_deadline_then_exits_0():
     """With no time to drain, the request in flight ends with an error event and [DONE]: 32
     samples of the whole context on two rows take over a thousand decode steps, far longer than
     the signal's handling."""
-    with serving("--shutdown-timeout", "0") as (process, url):
+    with serving("--shutdown-timeout", "0") as (process, url, _):
         body = {"model": "tiny", "prompt": [5, 6, 7], "n": 32, "ignore_eos": True,
                 "temperature": 0}
         events = stream_with_sigterm(process, url, body)
@@ -105,3 +106,24 @@ def test_sigterm_ends_requests_still_running_at_the_deadline_then_exits_0():
         assert error["type"] == "service_unavailable" and "shut down" in error["message"]
         assert process.wait(timeout=60) == 0
         assert re.search(r"ending \d+ requests still running", process.stdout.read())
+
+
+def test_ready_line_counts_the_buckets_left_to_the_background_compile(tmp_path):
+    """Token buckets 16, 48 and 64: the skeleton leaves 48 (its encoder and narrowing) to the
+    background, and the ready line says so (an empty cache of its own: a cache holding them
+    would make them ready at once). A request at once gets the reference generator's tokens,
+    and SIGTERM exits 0 whether or not the background compile is done."""
+    with serving("--prefill-graph-capture-token-sizes", "16,48,64",
+                 "--prefill-graph-max-tokens", "64", "--chunked-prefill-size", "64",
+                 "--compile-cache-dir", str(tmp_path)) as (
+            process, url, ready):
+        assert ready.rstrip().endswith(
+            "; 4 of 5 buckets ready, 2 bucket plans compile in the background")
+        prompt = list(range(5, 25))
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True})
+        expected = Reference(MODEL_DIR).generate([prompt], greedy(6, ignore_eos=True))[0].text
+        assert response.json()["choices"][0]["text"] == expected
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0

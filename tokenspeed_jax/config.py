@@ -51,6 +51,13 @@ class EngineConfig:
     # Executables compiled at once at start-up (a cold cache). More can shorten a cold start
     # (on an H200, 8: 141 -> 114 s for SmolLM2) but disturbs XLA's timing of candidate kernels.
     compile_threads: int = 1
+    # Compile a skeleton of the buckets before serving (token buckets about 4x apart, the
+    # smallest and largest request-count buckets) and the others in a background thread; until
+    # a bucket is ready, its steps take the smallest ready one that fits (more padding, the same
+    # results), and run slower while the compiles share the machine. On a GPU each executable
+    # compiles for seconds (autotuning); on a 2-core CPU a cold SmolLM2 server was ready 3x
+    # sooner (docs/benchmarks.md). Off: every bucket compiles before serving.
+    background_compile: bool = True
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
     # dtype of the KDA layers' recurrent state rows (hybrid models): "float32", or "bfloat16" for

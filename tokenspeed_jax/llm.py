@@ -5,6 +5,9 @@ start-up, continuous batching over a paged KV cache); ``options`` are ``EngineCo
 ``generate`` and ``chat`` run that engine; ``logits`` does not: it runs ``llm.reference``, the
 plain dense-cache forward every fast path is tested against (the engine computes logits only
 where it samples; its own log-probabilities come with ``SamplingParams(logprobs=k)``).
+With background compile (``background_compile``) it returns once a skeleton of the buckets is
+compiled, the others compiling in a background thread (``llm.runner.ladders.wait()`` waits for
+them); results do not depend on which buckets are ready.
 ``llm.config`` is the configuration as run (``build_engine`` may clamp or turn off settings).
 
 Invariants: ``LLM(None)`` is the embedded default model (SmolLM2-135M-Instruct); a prompt is a

@@ -51,11 +51,17 @@ Invariants:
   sampler, and the ``Resampler`` samples again the rows of a step whose requests need penalties,
   truncation or top log-probabilities.
 * Every executable goes through the on-disk executable cache, keyed with ``cache_fingerprint``.
+* With background compile, the skeleton's plans are compiled before serving and the others in
+  the background (``engine/ladders.py``); a prefill plan is per (token bucket, request bucket),
+  so a token rung is ready with its shapes for the skeleton's request rungs, and any other
+  request rung with its shapes for every token rung: a ready token bucket and a ready request
+  bucket always have their plans. A step's token bucket holds at least its request bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -70,6 +76,7 @@ from flax import nnx
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.model_runner import Buckets, engine_compiler
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -288,6 +295,7 @@ class KimiRunner:
         self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         self.resampler = Resampler(self.model_config.vocab_size)
         self._compiled: dict[tuple, CompiledPlan] = {}
+        self.ladders: LadderCompiler | None = None  # set by compile_all
         self.compiled = False
         self.counters = dict.fromkeys(("inline_runs", "ordinary_runs", "decode_runs",
                                        "eager_runs", "mixed_splits", "real_tokens",
@@ -496,54 +504,90 @@ class KimiRunner:
                           f"scale={self.scale!r}", f"flax={flax.__version__}",
                           classes_fingerprint(classes, skip_modules=("flax",))])
 
-    def compile_all(self) -> CompileSummary:
+    def compile_all(self, *, start_background: bool = True) -> CompileSummary:
         """Compile (or load from the executable cache) every executable a step can reach; fatal
-        on failure; then arm the guard."""
+        on failure; then arm the guard. With background compile, only the skeleton's, and the
+        others later, as ``ModelRunner.compile_all`` does."""
         compiler = engine_compiler(self.config, description="compiling Kimi executables",
                                    fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+        full = self.buckets
+        skeleton = full.skeleton() if self.config.background_compile else full
+        ladders = self.ladders = LadderCompiler(compiler, full, skeleton)
         shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
-        routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
-        shapes = [(t, n) for t in self.buckets.tokens for n in self.buckets.prefill_requests
-                  if n <= t]
-        for tokens, requests in shapes:
-            inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
-            for route in routes:
-                compiler.add(f"{route} T={tokens} N={requests}", self.plans[route],
-                             {**inputs, **pools}, {"attention": attention, "kda": {}},
-                             shardings=shardings)
         board = abstract(self.board)
-        for rows in self.buckets.decode_executables:
+        # Added rung by rung, each rung's plans together: deferred plans compile in this order.
+        for rows in full.decode_executables:
+            needed_by = ladders.decode_rungs(rows)
             inputs, attention, head = (abstract(m) for m in self._decode_arrays([], rows))
-            compiler.add(f"decode T={rows} N={rows}", self.plans["decode"],
-                         {**inputs, "board": board, **pools}, {"attention": attention},
-                         shardings=shardings)
+            ladders.add(needed_by, f"decode T={rows} N={rows}", self._store(("decode", rows, rows)),
+                        self.plans["decode"], {**inputs, "board": board, **pools},
+                        {"attention": attention}, shardings=shardings)
             hidden = jax.ShapeDtypeStruct((rows, hidden_size), self.dtype)
-            compiler.add(f"board-head T={rows} N={rows}", self.board_head_plan,
-                         {"hidden": hidden, "board": board}, {"sample": head})
-        for tokens, requests in shapes:
-            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), self.dtype)
-            head = abstract(self.step_arrays([], tokens, requests)[2])
-            compiler.add(f"head T={tokens} N={requests}", self.head_plan, {"hidden": hidden},
-                         {"sample": head})
+            ladders.add(needed_by, f"board-head T={rows} N={rows}",
+                        self._store(("board-head", rows, rows)), self.board_head_plan,
+                        {"hidden": hidden, "board": board}, {"sample": head})
+            ladders.add_resampler(self.resampler, rows)
         if self.restore_plan is not None:
             rows = abstract({"restore_src": np.zeros(self.restore_rows, np.int32),
                              "restore_dst": np.zeros(self.restore_rows, np.int32)})
-            compiler.add(f"restore T={self.restore_rows} N={self.restore_rows}",
-                         self.restore_plan, {**rows, **{n: pools[n] for n in self.state_pools}},
-                         shardings=shardings)
-        self.resampler.add(compiler, [*(n for _, n in shapes),
-                                      *self.buckets.decode_executables])
-        plans, summary = compiler.compile_all()
-        for label, plan in self.resampler.adopt(plans).items():
-            route, tokens, requests = label.split()
-            self._compiled[route, int(tokens[2:]), int(requests[2:])] = plan
+            ladders.add([("prefill_requests", self.restore_rows)],
+                        f"restore T={self.restore_rows} N={self.restore_rows}",
+                        self._store(("restore", self.restore_rows, self.restore_rows)),
+                        self.restore_plan, {**rows, **{n: pools[n] for n in self.state_pools}},
+                        shardings=shardings)
+        routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
+        for tokens, requests in self._prefill_shapes(skeleton):
+            needed_by = self._rungs_needing(tokens, requests, skeleton)
+            inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
+            for route in routes:
+                ladders.add(needed_by, f"{route} T={tokens} N={requests}",
+                            self._store((route, tokens, requests)), self.plans[route],
+                            {**inputs, **pools}, {"attention": attention, "kda": {}},
+                            shardings=shardings)
+            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), self.dtype)
+            ladders.add(needed_by, f"head T={tokens} N={requests}",
+                        self._store(("head", tokens, requests)), self.head_plan,
+                        {"hidden": hidden}, {"sample": head})
+            ladders.add_resampler(self.resampler, requests)
+        summary = ladders.compile_all(background=start_background)
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
         self.guard.arm()
         return summary
+
+    def _store(self, key: tuple[str, int, int]) -> Callable[[CompiledPlan], None]:
+        return functools.partial(self._compiled.__setitem__, key)
+
+    def _prefill_shapes(self, skeleton: Buckets) -> list[tuple[int, int]]:
+        """The (tokens, requests) shapes of the prefill plans, in compile order: each token
+        rung with the skeleton's request rungs, then each other request rung with every token
+        rung."""
+        shapes = [(t, n) for t in self.buckets.tokens for n in self.buckets.prefill_requests
+                  if n <= t]
+        first = [(t, n) for t, n in shapes if n in skeleton.prefill_requests]
+        rest = sorted(set(shapes) - set(first), key=lambda shape: shape[::-1])
+        return first + rest
+
+    @staticmethod
+    def _rungs_needing(tokens: int, requests: int, skeleton: Buckets) -> list[tuple[str, int]]:
+        """The rungs that need the plans of one prefill shape: a token rung its shapes with
+        the skeleton's request rungs; a request rung its shapes with the skeleton's token
+        rungs, or with every token rung when it is not in the skeleton itself. So any ready
+        token rung and ready request rung have their shape's plans."""
+        needed_by = []
+        if requests in skeleton.prefill_requests:
+            needed_by.append(("tokens", tokens))
+        if requests not in skeleton.prefill_requests or tokens in skeleton.tokens:
+            needed_by.append(("prefill_requests", requests))
+        return needed_by
+
+    @property
+    def ready(self) -> Buckets:
+        """The buckets steps choose from, as ``ModelRunner.ready``."""
+        return self.buckets if self.ladders is None else self.ladders.ready
 
     # ----------------------------------------------------------------- serving
 
@@ -568,6 +612,7 @@ class KimiRunner:
             raise ValueError("a step needs at least one request")
         if not self.compiled:
             raise RuntimeError("call compile_all() before step()")
+        self.ladders.check()
         return run_step(batch.requests, self._run, counters=self.counters,
                         split_mixed=bool(self.buckets.decode_requests))
 
@@ -577,6 +622,8 @@ class KimiRunner:
         token board for the next decode step (``StepRequest.token_row``). Any other step runs
         to its end here."""
         requests = batch.requests
+        if self.ladders is not None:
+            self.ladders.check()
         if (requests and self.compiled and self.route(requests) == "decode"
                 and can_stay_on_board(requests)):
             return pending_decode(self._enqueue("decode", requests)[0]["sampled"],
@@ -592,12 +639,14 @@ class KimiRunner:
         return [self._compiled_rows(route, requests)]
 
     def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
-        """(tokens, requests): the bucket of the executable a compiled step on ``route`` runs."""
+        """(tokens, requests): the ready bucket of the executable a compiled step on ``route``
+        runs. A prefill shape holds at most as many requests as tokens."""
+        ready = self.ready
         if route == "decode":
-            rows = self.buckets.decode_rows(len(requests))
+            rows = ready.decode_rows(len(requests))
             return rows, rows
-        return (choose_bucket(self.buckets.tokens, sum(r.num_tokens for r in requests)),
-                choose_bucket(self.buckets.prefill_requests, len(requests)))
+        rows = choose_bucket(ready.prefill_requests, len(requests))
+        return choose_bucket(ready.tokens, max(sum(r.num_tokens for r in requests), rows)), rows
 
     def run_compiled(self, route: str, requests: Sequence[StepRequest]) -> StepOutput:
         """A step on the compiled plan of ``route`` ("inline", "ordinary" or "decode")."""
@@ -681,7 +730,8 @@ class KimiRunner:
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "resample_runs": self.resampler.runs,
-                "runtime_compiles": self.guard.runtime_compiles}
+                "runtime_compiles": self.guard.runtime_compiles,
+                **(self.ladders.stats() if self.ladders is not None else {})}
 
 
 def _copy_rows(params: Any, src: jax.Array, dst: jax.Array, *pools: jax.Array) -> tuple:

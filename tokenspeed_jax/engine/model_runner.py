@@ -58,12 +58,16 @@ real row; padding requests own no token and sample nothing that is returned. The
 cache and the hand-off buffers are donated (updated in place). After ``compile_all`` nothing on
 the graph routes compiles; the guard counts (strict: raises on) any compile. The settings that
 depend on the platform (the "auto" ones and both attention kernels) are resolved in one place,
-``runner_settings``, once per runner.
+``runner_settings``, once per runner. With background compile (``background_compile``)
+``compile_all`` compiles a skeleton of the buckets and a thread the others
+(``engine/ladders.py``); steps choose among the buckets that are ready (``ready``), whose
+largest are the full ladders' largest, so only the padding changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -79,6 +83,7 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
+from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -113,6 +118,7 @@ from tokenspeed_jax.graph import (
     choose_bucket,
     explicit_ladder,
     run_eager,
+    skeleton,
     token_ladder,
 )
 from tokenspeed_jax.graph import arrays as device_arrays
@@ -228,6 +234,17 @@ class Buckets:
     def decode_executables(self) -> tuple[int, ...]:
         """The row counts of the decode executables: one per bucket, small buckets merged."""
         return tuple(sorted({max(rows, MIN_DECODE_ROWS) for rows in self.decode_requests}))
+
+    def skeleton(self) -> Buckets:
+        """The rungs compiled before serving when the rest compile in the background: token
+        buckets about 4x apart from the smallest to the largest (``graph.skeleton``), and the
+        smallest and largest request-count buckets of prefill and decode. Empty ladders (routes
+        that are off) stay empty."""
+        def ends(ladder: tuple[int, ...]) -> tuple[int, ...]:
+            return skeleton(ladder, None) if ladder else ()
+
+        return Buckets(skeleton(self.tokens) if self.tokens else (), ends(self.prefill_requests),
+                       ends(self.decode_requests))
 
 
 def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
@@ -387,6 +404,7 @@ class ModelRunner:
         self._decode_turns: dict[int, DecodeTurns] = {}
         self._decode_builders: dict[int, PackedBuilder] = {}
         self.resampler = Resampler(self.model_config.vocab_size)
+        self.ladders: LadderCompiler | None = None  # set by compile_all
         self.compiled = False
         self.counters = dict.fromkeys((
             "prefill_graph_runs", "decode_graph_runs", "eager_runs", "chunked_prefill_splits",
@@ -660,49 +678,63 @@ class ModelRunner:
                           f"flax={flax.__version__}",
                           classes_fingerprint(classes, skip_modules=("flax",))])
 
-    def compile_all(self) -> CompileSummary:
-        """Compile every executable a request can reach; fatal on failure; then arm the guard."""
+    def compile_all(self, *, start_background: bool = True) -> CompileSummary:
+        """Compile every executable a request can reach, fatal on failure, then arm the guard.
+        With ``background_compile`` only the skeleton's (``Buckets.skeleton``) are compiled
+        here and a thread compiles the others, each bucket ready for the next step once its
+        plans are (``engine/ladders.py``); without ``start_background``,
+        ``ladders.compile_deferred`` compiles them when called."""
         compiler = engine_compiler(self.config, description="compiling executables",
                                    fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+        ladders = self.ladders = LadderCompiler(
+            compiler, self.buckets,
+            self.buckets.skeleton() if self.config.background_compile else self.buckets)
         caches = self._cache_specs()
         shardings = {} if self.mesh is None else parallel.plan_value_shardings(
             self.model_config, self.mesh, list(caches))
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
-        for tokens in self.buckets.tokens:
-            inputs, attention, _ = (abstract(m) for m in self.prefill_arrays([], tokens, 1))
-            compiler.add(f"prefill T={tokens}", self.encoder_plan, {**inputs, **caches},
-                         {"attention": attention}, shardings)
-            head = abstract(self.prefill_arrays([], tokens, self.narrow_rows)[2])
-            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
-            compiler.add(f"narrow T={tokens}", self.narrow_plan, {"hidden": hidden},
-                         {"narrow": {"rows": head["rows"]}})
-        for rows in self.buckets.prefill_requests:
-            narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)
-            compiler.add(f"head B={rows}", self.decoder_plan, {"rows_hidden": narrowed},
-                         abstract(self._head_meta([], rows)))
+        # Added rung by rung, each rung's plans together: deferred plans compile in this order.
         for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
-            compiler.add(f"decode B={rows}", self.decode_plan,
-                         {**caches, "board": abstract(self.board),
-                          "sampled": sampled_buffer_spec(rows)}, meta, shardings,
-                         copies=2 if self.alternate_decode else 1)
-        self.resampler.add(compiler, [*self.buckets.prefill_requests,
-                                      *self.buckets.decode_executables])
-        plans, summary = compiler.compile_all()
-        for label, plan in self.resampler.adopt(plans).items():
-            kind, *sizes = label.split()
-            key = tuple(int(s.split("=")[1]) for s in sizes)
-            table = {"prefill": self._encoders, "narrow": self._narrowers,
-                     "head": self._decoders,
-                     "decode": self._decode_turns}[kind]
-            if kind == "decode":
-                plan = DecodeTurns((plan, *plan.copies), key[0])
-            table[key if len(key) > 1 else key[0]] = plan
+            ladders.add(ladders.decode_rungs(rows), f"decode B={rows}",
+                        functools.partial(self._store_decode, rows), self.decode_plan,
+                        {**caches, "board": abstract(self.board),
+                         "sampled": sampled_buffer_spec(rows)}, meta, shardings=shardings,
+                        copies=2 if self.alternate_decode else 1)
+            ladders.add_resampler(self.resampler, rows)
+        for rows in self.buckets.prefill_requests:
+            narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)
+            ladders.add([("prefill_requests", rows)], f"head B={rows}",
+                        functools.partial(self._decoders.__setitem__, rows), self.decoder_plan,
+                        {"rows_hidden": narrowed}, abstract(self._head_meta([], rows)))
+            ladders.add_resampler(self.resampler, rows)
+        for tokens in self.buckets.tokens:
+            rung = [("tokens", tokens)]
+            inputs, attention, _ = (abstract(m) for m in self.prefill_arrays([], tokens, 1))
+            ladders.add(rung, f"prefill T={tokens}",
+                        functools.partial(self._encoders.__setitem__, tokens), self.encoder_plan,
+                        {**inputs, **caches}, {"attention": attention}, shardings=shardings)
+            head = abstract(self.prefill_arrays([], tokens, self.narrow_rows)[2])
+            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
+            ladders.add(rung, f"narrow T={tokens}",
+                        functools.partial(self._narrowers.__setitem__, tokens), self.narrow_plan,
+                        {"hidden": hidden}, {"narrow": {"rows": head["rows"]}})
+        summary = ladders.compile_all(background=start_background)
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
         self.guard.arm()
         return summary
+
+    def _store_decode(self, rows: int, plan: CompiledPlan) -> None:
+        self._decode_turns[rows] = DecodeTurns((plan, *plan.copies), rows)
+
+    @property
+    def ready(self) -> Buckets:
+        """The buckets steps choose from: those whose plans are compiled, the skeleton's and
+        the ones the background compile has added (all of ``buckets`` once it is done); before
+        ``compile_all``, ``buckets`` (the host side of a step is computable without plans)."""
+        return self.buckets if self.ladders is None else self.ladders.ready
 
     # ----------------------------------------------------------------- serving
 
@@ -720,6 +752,8 @@ class ModelRunner:
         graphs = self.buckets.tokens or self.buckets.decode_requests
         if graphs and not self.compiled:
             raise RuntimeError("call compile_all() before step()")
+        if self.ladders is not None:
+            self.ladders.check()
         requests = batch.requests
         if (self.buckets.decode_requests and batch.is_decode
                 and len(requests) <= self.buckets.decode_requests[-1]
@@ -758,8 +792,9 @@ class ModelRunner:
 
     def _run_prefill_group(self, requests: list[StepRequest]) -> np.ndarray:
         num_tokens = sum(r.num_tokens for r in requests)
-        tokens = choose_bucket(self.buckets.tokens, num_tokens)
-        rows = choose_bucket(self.buckets.prefill_requests, len(requests))
+        ready = self.ready
+        tokens = choose_bucket(ready.tokens, num_tokens)
+        rows = choose_bucket(ready.prefill_requests, len(requests))
         inputs, attention, head = self.prefill_arrays(requests, tokens, self.narrow_rows)
         self.counters["prefill_graph_runs"] += 1
         self.counters["real_tokens"] += num_tokens
@@ -777,10 +812,13 @@ class ModelRunner:
         """The packed metadata of the head plan: the in-step sampler's settings."""
         return {"head": Packed.of(sampling_fields(sampling_arrays(sampled, rows)))}
 
-    def decode_inputs(self, requests: Sequence[StepRequest]) -> tuple[DecodeSlot, dict]:
-        """The decode turn for ``requests`` (at most the largest decode bucket; the bucket's two
-        turns alternate, one per call) and its host-built metadata (one packed buffer)."""
-        rows = self.buckets.decode_rows(len(requests))
+    def decode_inputs(self, requests: Sequence[StepRequest], rows: int | None = None
+                      ) -> tuple[DecodeSlot, dict]:
+        """The decode turn for ``requests`` on the ``rows``-row executable (default: the ready
+        one for their count, at most the largest decode bucket; the bucket's two turns
+        alternate, one per call) and its host-built metadata (one packed buffer)."""
+        if rows is None:
+            rows = self.ready.decode_rows(len(requests))
         return self._decode_turns[rows].take(), {"decode": self._decode_meta(requests, rows)}
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
@@ -791,8 +829,8 @@ class ModelRunner:
                 ) -> tuple[dict[str, jax.Array], int, DecodeSlot]:
         """Enqueue one decode executable (keeping its caches, token board and sampled-rows
         buffer): its outputs, on the device, its rows and the turn it ran in."""
-        slot, meta = self.decode_inputs(requests)
-        rows = self.buckets.decode_rows(len(requests))
+        rows = self.ready.decode_rows(len(requests))
+        slot, meta = self.decode_inputs(requests, rows)
         self.counters["decode_graph_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
@@ -833,7 +871,7 @@ class ModelRunner:
         self.v_pages = [values[n] for n in v_names]
 
     def stats(self) -> dict[str, float]:
-        """Runtime compiles, route counts and padding waste since start-up."""
+        """Runtime compiles, route counts and padding waste since start-up; buckets ready."""
         total = self.counters["real_tokens"] + self.counters["padded_tokens"]
         return {
             **self.counters,
@@ -841,4 +879,5 @@ class ModelRunner:
             "runtime_compiles": self.guard.runtime_compiles,
             "eager_compiles": self.guard.allowed_compiles,
             "padding_waste": self.counters["padded_tokens"] / total if total else 0.0,
+            **(self.ladders.stats() if self.ladders is not None else {}),
         }

@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ import numpy as np
 from tokenspeed_jax.engine.batch import StepOutput, StepRequest, split_decode_rows
 from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampler import SamplingArrays, sample, settings_columns, top_logprobs
-from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, PlanCompiler, abstract, run_eager
+from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, abstract, run_eager
 from tokenspeed_jax.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
@@ -163,25 +163,17 @@ class Resampler:
         self.compiled: dict[tuple[bool, int], CompiledPlan] = {}
         self.runs = 0
 
-    def add(self, compiler: PlanCompiler, rows: Sequence[int]) -> None:
-        """Queue both plans for every row bucket in ``rows`` on ``compiler``."""
-        for count in sorted(set(rows)):
-            logits = jax.ShapeDtypeStruct((count, self.vocab_size), jnp.float32)
-            for penalized, label in RESAMPLE_LABELS.items():
-                compiler.add(f"{label} B={count}", self.plans[penalized], {"logits": logits},
-                             abstract(self.meta([], count, penalized)[1]))
+    def plans_for(self, rows: int) -> Iterator[tuple[str, tuple[bool, int], Plan, dict, dict]]:
+        """Both plans of row bucket ``rows``: (label, key in ``compiled``, plan, input specs,
+        metadata specs), for a ``PlanCompiler``."""
+        logits = jax.ShapeDtypeStruct((rows, self.vocab_size), jnp.float32)
+        for penalized, label in RESAMPLE_LABELS.items():
+            yield (f"{label} B={rows}", (penalized, rows), self.plans[penalized],
+                   {"logits": logits}, abstract(self.meta([], rows, penalized)[1]))
 
-    def adopt(self, plans: Mapping[str, CompiledPlan]) -> dict[str, CompiledPlan]:
-        """Take this resampler's compiled plans out of ``plans``; return the others."""
-        others = {}
-        kinds = {label: penalized for penalized, label in RESAMPLE_LABELS.items()}
-        for label, plan in plans.items():
-            kind, *sizes = label.split()
-            if kind in kinds:
-                self.compiled[kinds[kind], int(sizes[0].split("=")[1])] = plan
-            else:
-                others[label] = plan
-        return others
+    def store(self, key: tuple[bool, int]) -> Callable[[CompiledPlan], None]:
+        """What keeps the compiled plan of ``key`` (as ``plans_for`` names it)."""
+        return functools.partial(self.compiled.__setitem__, key)
 
     def meta(self, requests: Sequence[StepRequest], rows: int,
              penalized: bool | None = None) -> tuple[bool, dict]:

@@ -8,6 +8,7 @@ from tokenspeed_jax.graph.buckets import (
     choose_bucket,
     explicit_ladder,
     padding_waste,
+    skeleton,
     token_ladder,
 )
 from tokenspeed_jax.graph.cache import ExecutableCache
@@ -34,6 +35,7 @@ __all__ = [
     "explicit_ladder",
     "padding_waste",
     "run_eager",
+    "skeleton",
     "token_ladder",
     "whole_forward",
 ]

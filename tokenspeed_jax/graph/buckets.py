@@ -9,10 +9,14 @@ rest is padding. Invariants:
   request never pads by more than 1/8 (12.5%) of its bucket.
 * ``choose_bucket`` returns the smallest bucket that fits, or None when nothing fits (the caller
   then takes a fallback route; this module never picks a bucket that is too small).
+* ``skeleton`` picks a few rungs of a ladder to compile first (the rest can follow in the
+  background): always its smallest and its largest, so whatever fits the ladder fits the
+  skeleton, at the price of more padding.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 TOKEN_FLOOR = 16  # smallest token bucket: below it dispatch, not padding, dominates
@@ -22,6 +26,9 @@ MAX_STEP = 512  # large rungs: 512-token steps already waste < 12.5% above 4096
 DEFAULT_DECODE_MAX_BS = 160
 SMALL_BATCH_BUCKETS = (1, 2, 4, 8)
 BATCH_STEP = 16  # above 8 requests, weight reads dominate and 16-row steps cost little
+# Skeleton token rungs about 4x apart: a prompt pads to at most about 4x its size until the rest
+# of the ladder is compiled, from six rungs for the default ladder to 8192 (16, 32, 128, ...).
+SKELETON_RATIO = 4
 
 
 def _largest_power_of_two_at_most(x: float) -> int:
@@ -65,6 +72,23 @@ def batch_ladder(max_bs: int) -> tuple[int, ...]:
     rungs = [b for b in SMALL_BATCH_BUCKETS if b < max_bs]
     rungs += range(BATCH_STEP, max_bs, BATCH_STEP)
     return tuple(sorted(set(rungs))) + (max_bs,)
+
+
+def skeleton(ladder: Sequence[int], ratio: float | None = SKELETON_RATIO) -> tuple[int, ...]:
+    """The rungs of ``ladder`` to compile first: its smallest and its largest and, with a
+    ``ratio``, the rung nearest (on a log scale) to each ``largest / ratio**k`` above the
+    smallest. ``ratio=None``: the two ends only."""
+    if not ladder:
+        raise ValueError("a skeleton needs a non-empty ladder")
+    if ratio is not None and ratio <= 1:
+        raise ValueError(f"ratio must be > 1 (or None), got {ratio}")
+    smallest, largest = ladder[0], ladder[-1]
+    chosen = {smallest, largest}
+    target = largest / ratio if ratio is not None else 0
+    while target > smallest:
+        chosen.add(min(ladder, key=lambda rung: abs(math.log(rung / target))))
+        target /= ratio
+    return tuple(sorted(chosen))
 
 
 def choose_bucket(buckets: Sequence[int], size: int) -> int | None:

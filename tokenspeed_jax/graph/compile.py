@@ -3,7 +3,8 @@
 ``PlanCompiler.add(label, plan, input_specs, meta_specs)`` registers one bucket's plan with
 abstract inputs (``jax.ShapeDtypeStruct``: no device memory is allocated for dummies);
 ``compile_all()`` traces every call, deduplicates identical executables, compiles them with a
-progress bar and returns the compiled plans and a per-bucket timing summary. With an
+progress bar and returns the compiled plans and a per-bucket timing summary; deferred buckets
+(below) can be compiled later. With an
 ``ExecutableCache`` each executable is first looked up on disk (``graph/cache.py``): a hit is
 loaded without tracing, lowering or compiling; a miss is compiled and written back. Invariants:
 
@@ -28,6 +29,14 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   directly with the flat argument list (``CompiledCall.direct``), skipping
   ``Compiled.__call__``'s pytree and signature handling, its outputs wrapped by the
   executable's own result handlers; XLA still checks every buffer's size at each call.
+* **Deferred buckets** (``add(..., deferred=True)``): ``compile_all`` loads a deferred bucket
+  only when every one of its executables is in the cache (so a warm start has nothing left to
+  do), without tracing it; ``compile_deferred(on_ready)`` traces and compiles the others one
+  bucket at a time, on the calling thread (a server's background thread), and hands each
+  bucket's compiled plan to ``on_ready`` once all its executables are there. Its compiles are
+  start-up work for the compile guard (``guard.startup`` is per thread) and a failure is the
+  same fatal ``CompileError`` as in ``compile_all``, raised to its caller. A compiler serves
+  one ``compile_deferred`` call at a time; after ``compile_all``, nothing else touches it.
 * ``compiler_options`` (XLA options, as ``jax.stages.Lowered.compile`` takes them) apply to
   every executable of the compiler and are part of its cache key; XLA rejecting one is a
   ``CompileError`` like any other.
@@ -58,6 +67,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -199,12 +209,40 @@ class _Job:
         self.out_info = tuple(self.traced.out_info)
 
 
+@dataclasses.dataclass
+class _Bucket:
+    """One added plan: its abstract inputs and, once bound, each call's job."""
+
+    label: str
+    plan: Plan
+    values: dict[str, Any]  # input specs by name
+    meta_specs: dict[str, Any]
+    shardings: dict[str, Sharding]
+    copies: int
+    deferred: bool
+    bound: list[tuple[_Job, Call, str | None]] | None = None  # None: not traced yet
+    ready: bool = False  # its compiled plan was handed out
+
+    @property
+    def input_specs(self) -> dict[str, Any]:
+        return {n: self.values[n] for n in self.plan.inputs if n in self.values}
+
+
+@dataclasses.dataclass
+class _Pass:
+    """What one ``compile_all`` or ``compile_deferred`` call loaded and compiled."""
+
+    jobs: list[_Job] = dataclasses.field(default_factory=list)
+    load_seconds: float = 0.0
+    compile_wall_seconds: float = 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileSummary:
     """Start-up compile statistics: executables built, seconds per bucket label, total; how
     many executables were loaded from the cache and how many compiled, and the seconds each
     took (tracing included in compile seconds); how many are called directly (`direct_call`),
-    the others through ``Compiled.__call__``."""
+    the others through ``Compiled.__call__``; the deferred buckets still to compile."""
 
     num_executables: int
     num_calls: int
@@ -217,6 +255,7 @@ class CompileSummary:
     num_direct: int = 0
     compile_wall_seconds: float = 0.0
     threads: int = 1
+    num_deferred: int = 0
 
     def describe(self) -> str:
         """One line: loaded vs compiled executables and their seconds."""
@@ -231,6 +270,8 @@ class CompileSummary:
         rows.append(f"{'total':<32} {self.total_seconds:8.2f}  "
                     f"({self.num_executables} executables for {self.num_calls} calls)")
         rows.append(self.describe())
+        if self.num_deferred:
+            rows.append(f"{self.num_deferred} deferred buckets left to compile")
         return "\n".join(rows)
 
 
@@ -271,8 +312,8 @@ class PlanCompiler:
         self.cache = cache
         self.fingerprint = fingerprint
         self._jobs: dict[tuple, _Job] = {}
-        self._plans: list[tuple[str, Plan, list[tuple[_Job, Call, str | None]], int]] = []
-        self._specs: dict[str, tuple[dict, dict]] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self._deferred_lock = threading.Lock()
 
     def add(
         self,
@@ -282,34 +323,48 @@ class PlanCompiler:
         meta_specs: Mapping[str, Any] | None = None,
         shardings: Mapping[str, Sharding] | None = None,
         copies: int = 1,
+        deferred: bool = False,
     ) -> None:
-        """Trace ``plan`` for one bucket; ``label`` names the bucket in progress and errors.
-        ``shardings``: plan value name -> sharding of that value wherever a call outputs it
-        (only with a mesh; unnamed values are replicated). ``copies``: loaded copies of the
-        bucket's executables (module docstring)."""
+        """Register ``plan`` for one bucket and trace it (a deferred bucket: see the module
+        docstring); ``label`` names the bucket in progress and errors. ``shardings``: plan value
+        name -> sharding of that value wherever a call outputs it (only with a mesh; unnamed
+        values are replicated). ``copies``: loaded copies of the bucket's executables (module
+        docstring)."""
         if copies < 1:
             raise ValueError(f"{label}: copies={copies} must be >= 1")
-        if any(existing == label for existing, *_ in self._plans):
+        if label in self._buckets:
             raise ValueError(f"bucket label {label!r} was already added")
         if shardings and self.mesh is None:
             raise ValueError(f"{label}: value shardings need a PlanCompiler mesh")
-        self._value_shardings = dict(shardings or {})
         meta_specs = {n: self._placed(abstract(m)) for n, m in (meta_specs or {}).items()}
         missing = [n for n in plan.breaks if n not in meta_specs]
         if missing:
             raise ValueError(f"{label}: no metadata specs for breaks {missing}")
         values = {n: self._placed(abstract(s)) for n, s in input_specs.items()}
-        self._specs[label] = ({n: values[n] for n in plan.inputs if n in values}, meta_specs)
         unknown = set(plan.inputs) - set(values)
         if unknown:
             raise ValueError(f"{label}: no input specs for {sorted(unknown)}")
+        bucket = _Bucket(label, plan, values, meta_specs, dict(shardings or {}), copies, deferred)
+        self._buckets[label] = bucket
+        if not deferred:
+            self._bind(bucket)
+
+    def _bind(self, bucket: _Bucket, *, hits_only: bool = False) -> bool:
+        """Give each call of ``bucket`` its job, tracing those that miss the cache; with
+        ``hits_only``, stop at the first miss instead (False: the bucket stays unbound)."""
+        self._value_shardings = bucket.shardings
+        values = dict(bucket.values)
         bound = []
-        for call in plan.calls:
-            job = self._trace(label, call, values, meta_specs)
+        for call in bucket.plan.calls:
+            job = self._trace(bucket.label, call, values, bucket.meta_specs, hits_only=hits_only)
+            if job is None:
+                return False
             values.update(zip(call.outputs, job.out_info))
             bound.append((job, call, call.stage.name if isinstance(call.stage, Break) else None))
-            job.spares_wanted = max(job.spares_wanted, copies - 1)
-        self._plans.append((label, plan, bound, copies))
+        for job, _, _ in bound:
+            job.spares_wanted = max(job.spares_wanted, bucket.copies - 1)
+        bucket.bound = bound
+        return True
 
     def _placed(self, tree: Any) -> Any:
         """With a mesh: ``tree``'s specs, those without a multi-device sharding replicated."""
@@ -318,7 +373,8 @@ class PlanCompiler:
         return jax.tree_util.tree_map(
             lambda s: s if s.sharding is not None else _with_sharding(s, self._replicated), tree)
 
-    def _trace(self, label: str, call: Call, values: dict, meta_specs: dict) -> _Job:
+    def _trace(self, label: str, call: Call, values: dict, meta_specs: dict, *,
+               hits_only: bool = False) -> _Job | None:
         stage = call.stage
         inputs = [values[n] for n in call.inputs]
         meta_leaves, meta_tree = jax.tree_util.tree_flatten(
@@ -343,6 +399,8 @@ class PlanCompiler:
                 trees=(meta_tree, param_tree), args=args, donate=donate,
                 out_shardings=out_shardings, compiler_options=self.compiler_options)
             job.entry = self.cache.get(job.cache_key, label=label) if job.cache_key else None
+        if job.entry is None and hits_only:
+            return None
         if job.entry is not None:
             job.out_info = job.entry.out_specs
         else:
@@ -440,65 +498,125 @@ class PlanCompiler:
                      else jax.device_put(leaf, spec.sharding)
                      for leaf, spec in zip(leaves, specs))
 
-    def _compiled_plan(self, label: str, plan: Plan,
-                       bound: list[tuple[_Job, Call, str | None]],
-                       leaves: list[tuple[Any, ...]], copy: int) -> CompiledPlan:
+    def _compiled_plan(self, bucket: _Bucket, leaves: list[tuple[Any, ...]],
+                       copy: int) -> CompiledPlan:
         """The bucket's plan bound to its executables' loaded copy ``copy`` (0: the first) and
         to each call's parameter ``leaves``."""
         calls = []
-        for (job, call, meta), call_leaves in zip(bound, leaves):
+        for (job, call, meta), call_leaves in zip(bucket.bound, leaves):
             executable, direct = (job.executable, job.direct) if copy == 0 else job.spares[copy - 1]
             calls.append(CompiledCall(name=call.stage.name, executable=executable, direct=direct,
                                       inputs=call.inputs, outputs=call.outputs, meta=meta,
                                       param_leaves=call_leaves))
-        input_specs, meta_specs = self._specs[label]
-        return CompiledPlan(plan=plan, label=label, calls=tuple(calls), input_specs=input_specs,
-                            meta_specs=meta_specs, meta_sharding=self._replicated,
-                            blocking=self._blocking)
+        return CompiledPlan(plan=bucket.plan, label=bucket.label, calls=tuple(calls),
+                            input_specs=bucket.input_specs, meta_specs=bucket.meta_specs,
+                            meta_sharding=self._replicated, blocking=self._blocking)
+
+    @property
+    def num_deferred(self) -> int:
+        """Deferred buckets whose plans are not compiled yet."""
+        return sum(bucket.deferred and not bucket.ready for bucket in self._buckets.values())
 
     def compile_all(self) -> tuple[dict[str, CompiledPlan], CompileSummary]:
-        """Compile every registered executable; fatal on the first failure."""
+        """Compile (or load) every bucket that is not deferred, and load every deferred bucket
+        whose executables are all in the cache; fatal on the first failure. The other deferred
+        buckets are ``compile_deferred``'s."""
         start = time.perf_counter()
-        pending = [job for job in self._jobs.values() if job.executable is None]
-        bar = tqdm(total=len(pending), desc=self.description, unit="exe",
-                   disable=not self.progress)
+        for bucket in self._buckets.values():
+            if bucket.bound is None:
+                self._bind(bucket, hits_only=True)
+        buckets = [bucket for bucket in self._buckets.values() if bucket.bound is not None]
+        pass_ = _Pass()
+        with tqdm(total=len(self._pending(buckets)), desc=self.description, unit="exe",
+                  disable=not self.progress) as bar:
+            compiled = self._make_ready(buckets, bar, pass_)
+        return compiled, self._summary(buckets, pass_, start)
+
+    def compile_deferred(self, on_ready: Callable[[str, CompiledPlan], None], *,
+                         limit: int | None = None) -> CompileSummary:
+        """Compile the deferred buckets ``compile_all`` left, one at a time in the order they
+        were added (at most ``limit`` of them), on the calling thread, handing each bucket's
+        compiled plan to ``on_ready(label, plan)`` as soon as it is complete. Every compile here
+        is start-up work for the compile guard (``guard.startup``), whatever the thread. Fatal
+        on the first failure, as ``compile_all``: that bucket and the ones after it stay
+        deferred. The summary covers the buckets compiled by this call."""
+        if not self._deferred_lock.acquire(blocking=False):
+            raise RuntimeError("compile_deferred is already running on another thread")
+        try:
+            start = time.perf_counter()
+            waiting = [b for b in self._buckets.values() if b.deferred and not b.ready]
+            done: list[_Bucket] = []
+            pass_ = _Pass()
+            with guard.startup(), tqdm(disable=True) as bar:
+                for bucket in waiting[:limit]:
+                    if bucket.bound is None:
+                        self._bind(bucket)
+                    (plan,) = self._make_ready([bucket], bar, pass_).values()
+                    done.append(bucket)
+                    on_ready(bucket.label, plan)
+            return self._summary(done, pass_, start)
+        finally:
+            self._deferred_lock.release()
+
+    @staticmethod
+    def _jobs_of(buckets: list[_Bucket]) -> list[_Job]:
+        """The distinct jobs of bound ``buckets``, in call order."""
+        return list({id(job): job for bucket in buckets for job, _, _ in bucket.bound}.values())
+
+    def _pending(self, buckets: list[_Bucket]) -> list[_Job]:
+        """The jobs of ``buckets`` that have no executable yet."""
+        return [job for job in self._jobs_of(buckets) if job.executable is None]
+
+    def _make_ready(self, buckets: list[_Bucket], bar: Any, pass_: _Pass
+                    ) -> dict[str, CompiledPlan]:
+        """Load or compile every executable ``buckets`` still lack (recorded in ``pass_``) and
+        return their compiled plans."""
+        pending = self._pending(buckets)
         hits = [job for job in pending if job.entry is not None]
-        load_start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
-            for job in pool.map(functools.partial(self._timed, self._load), hits):
-                if job.loaded:
-                    bar.set_postfix_str(f"{job.name} @ {job.label} (cached)", refresh=False)
-                    bar.update()
-        load_seconds = time.perf_counter() - load_start
+        if hits:
+            load_start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS) as pool:
+                for job in pool.map(functools.partial(self._timed, self._load), hits):
+                    if job.loaded:
+                        bar.set_postfix_str(f"{job.name} @ {job.label} (cached)", refresh=False)
+                        bar.update()
+            if any(job.loaded for job in hits):
+                pass_.load_seconds += time.perf_counter() - load_start
         compile_start = time.perf_counter()
         self._compile_pending([job for job in pending if not job.loaded], bar)
-        compile_wall = time.perf_counter() - compile_start
+        pass_.compile_wall_seconds += time.perf_counter() - compile_start
         for job in pending:
             job.direct = direct_call(job.executable, job.num_args)
-        bar.close()
-        for job in self._jobs.values():
+        pass_.jobs += pending
+        for job in self._jobs_of(buckets):
             if len(job.spares) < job.spares_wanted:
                 self._load_spares(job)
-        per_label: dict[str, float] = {label: 0.0 for label, *_ in self._plans}
-        for job in pending:
-            per_label[job.label] = per_label.get(job.label, 0.0) + job.seconds
         compiled = {}
-        for label, plan, bound, copies in self._plans:
-            leaves = [self._bound_leaves(job, call) for job, call, _ in bound]
-            versions = [self._compiled_plan(label, plan, bound, leaves, copy)
-                        for copy in range(copies)]
-            compiled[label] = dataclasses.replace(versions[0], copies=tuple(versions[1:]))
-        summary = CompileSummary(
-            num_executables=len(self._jobs),
-            num_calls=sum(len(bound) for _, _, bound, _ in self._plans),
+        for bucket in buckets:
+            leaves = [self._bound_leaves(job, call) for job, call, _ in bucket.bound]
+            versions = [self._compiled_plan(bucket, leaves, copy)
+                        for copy in range(bucket.copies)]
+            compiled[bucket.label] = dataclasses.replace(versions[0], copies=tuple(versions[1:]))
+            bucket.ready = True
+        return compiled
+
+    def _summary(self, buckets: list[_Bucket], pass_: _Pass, start: float) -> CompileSummary:
+        """The summary of one pass that made ``buckets`` ready."""
+        per_label = {bucket.label: 0.0 for bucket in buckets}
+        for job in pass_.jobs:
+            per_label[job.label] = per_label.get(job.label, 0.0) + job.seconds
+        used = self._jobs_of(buckets)
+        return CompileSummary(
+            num_executables=len(used),
+            num_calls=sum(len(bucket.bound) for bucket in buckets),
             seconds_per_label=per_label,
             total_seconds=time.perf_counter() - start,
-            num_loaded=sum(job.loaded for job in pending),
-            num_compiled=sum(not job.loaded for job in pending),
-            load_seconds=load_seconds if any(job.loaded for job in pending) else 0.0,
-            compile_seconds=sum(job.seconds for job in pending if not job.loaded),
-            num_direct=sum(job.direct is not None for job in self._jobs.values()),
-            compile_wall_seconds=compile_wall,
+            num_loaded=sum(job.loaded for job in pass_.jobs),
+            num_compiled=sum(not job.loaded for job in pass_.jobs),
+            load_seconds=pass_.load_seconds,
+            compile_seconds=sum(job.seconds for job in pass_.jobs if not job.loaded),
+            num_direct=sum(job.direct is not None for job in used),
+            compile_wall_seconds=pass_.compile_wall_seconds,
             threads=self.threads,
+            num_deferred=self.num_deferred,
         )
-        return compiled, summary

@@ -3,7 +3,9 @@
 ``serve(config)`` is what ``scripts/serve.py`` runs; it returns the process's exit status.
 Invariants:
 
-* The API answers 503 while the model loads and compiles; then one ``ready:`` line is printed.
+* The API answers 503 while the model loads and compiles; then one ``ready:`` line is printed,
+  with the executables ready and, with background compile, the buckets still compiling (each
+  request meanwhile takes the best bucket that is ready: ``engine/ladders.py``).
 * SIGTERM or SIGINT drains: the listening socket closes, new requests on open connections get
   503, requests in flight run to their end for up to ``shutdown_timeout`` seconds, and those
   still running then end with a clean error (a stream's error event and ``[DONE]``, or a 503).
@@ -132,9 +134,14 @@ def serve(config: EngineConfig, *, log_level: str = "warning",
         state.runner_stats = bundle.runner.stats
         state.engine = engine
         summary = bundle.compile_summary
+        background = ""
+        if summary.num_deferred:
+            stats = bundle.runner.stats()
+            background = (f"; {stats['buckets_ready']} of {stats['buckets_total']} buckets "
+                          f"ready, {summary.num_deferred} bucket plans compile in the background")
         print(f"ready: {summary.num_executables} executables in {bundle.seconds:.1f}s "
               f"({summary.describe()}; {bundle.engine.block_manager.num_pages} KV pages of "
-              f"{config.page_size} tokens)", flush=True)
+              f"{config.page_size} tokens){background}", flush=True)
         print(usage_hint(config, name), flush=True)
 
     print(f"loading {name} and compiling (the API answers 503 until ready) ...", flush=True)

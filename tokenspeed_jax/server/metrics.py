@@ -93,6 +93,12 @@ GAUGES: dict[str, tuple[str, str]] = {
         "1 while the last synchronous decode step found the device busy after its launch."),
     "padding_waste": (
         "tokenspeed_padding_waste", "Padding tokens / all tokens run, since start-up."),
+    "buckets_ready": (
+        "tokenspeed_buckets_ready",
+        "Buckets (token, prefill request and decode ladder rungs) whose executables are ready."),
+    "buckets_total": (
+        "tokenspeed_buckets_capacity",
+        "Buckets of every ladder, ready or still compiling in the background."),
 }
 
 

@@ -1,0 +1,215 @@
+"""Serving before the bucket ladders are complete: a skeleton at start-up, the rest in the
+background.
+
+A runner registers each bucket plan with a ``LadderCompiler``, naming the *rungs* (a
+``Buckets`` field and one of its sizes, e.g. ``("tokens", 512)``) that need the plan, and how to
+store the compiled plan in its tables. Plans that a rung of the skeleton (``Buckets.skeleton``)
+needs are compiled at start-up; the others are deferred (``PlanCompiler.add(deferred=True)``)
+unless the executable cache holds all their executables. With background compile on,
+``compile_all`` then starts a daemon thread that compiles the deferred plans one bucket at a time
+(``PlanCompiler.compile_deferred``). ``ready`` is the ``Buckets`` of the rungs whose plans are all
+stored; runners choose buckets from it, so a request never waits on a compile or causes one: it
+takes the smallest ready bucket that fits, padding more until the rung it would have taken is
+ready. Results do not depend on the bucket (padding never changes real rows).
+
+Invariants:
+
+* ``ready`` only grows, and every rung in it has every plan it needs in the runner's tables: a
+  plan is stored before ``ready`` is replaced, by one assignment of a new frozen ``Buckets``, so
+  the engine thread reads a consistent snapshot with no lock. The background thread only adds
+  entries to the runner's tables; the engine thread only reads them.
+* Each skeleton ladder keeps its full ladder's largest rung, so ``ready`` fits every size the
+  full ladders fit and the routes and splits do not change, only the padding.
+* Background compiles are start-up work (``graph.guard.startup`` on that thread): they never
+  count as runtime compiles, and the engine thread's compiles still do.
+* A failure in the background is fatal, as one at start-up is: it is logged when it happens and
+  ``check()`` (called by the runner at every step) raises it as a ``CompileError``, which the
+  engine loop treats as an engine failure (the server then exits 1). An idle server notices it
+  at its next step.
+* At interpreter exit, a background compile still running is stopped after its current bucket
+  (an ``atexit`` hook), so no XLA compile is cut off by the interpreter's shutdown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from tokenspeed_jax.graph import CompiledPlan, CompileError, CompileSummary, Plan, PlanCompiler
+
+if TYPE_CHECKING:
+    from tokenspeed_jax.engine.model_runner import Buckets
+    from tokenspeed_jax.engine.sampling_plans import Resampler
+
+logger = logging.getLogger(__name__)
+
+Rung = tuple[str, int]  # (a Buckets field, one of its sizes)
+
+_running: set[LadderCompiler] = set()  # background compiles in flight, stopped at exit
+
+
+@atexit.register
+def _stop_running() -> None:
+    for ladders in list(_running):
+        ladders.stop()
+
+
+def rungs(buckets: Buckets) -> set[Rung]:
+    """Every rung of ``buckets``' ladders."""
+    return {(field.name, size) for field in dataclasses.fields(buckets)
+            for size in getattr(buckets, field.name)}
+
+
+class LadderCompiler:
+    """A runner's bucket plans on a ``PlanCompiler``: the skeleton's at start-up, the others in
+    the background (module docstring)."""
+
+    def __init__(self, compiler: PlanCompiler, full: Buckets, skeleton: Buckets) -> None:
+        self.compiler = compiler
+        self.full = full
+        self._skeleton = rungs(skeleton)
+        tops = [(getattr(full, f.name)[-1:], getattr(skeleton, f.name)[-1:])
+                for f in dataclasses.fields(full)]
+        if not self._skeleton <= rungs(full) or any(a != b for a, b in tops):
+            raise ValueError(f"skeleton {skeleton} must be part of the ladders {full} and keep "
+                             f"each one's largest rung")
+        self._missing: dict[Rung, set[str]] = {rung: set() for rung in rungs(full)}
+        self._needed_by: dict[str, list[Rung]] = {}
+        self._stores: dict[str, Callable[[CompiledPlan], None]] = {}
+        self.ready = dataclasses.replace(full, **{f.name: () for f in dataclasses.fields(full)})
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- registration
+
+    def add(self, needed_by: Iterable[Rung], label: str, store: Callable[[CompiledPlan], None],
+            plan: Plan, input_specs: Mapping[str, Any], meta_specs: Mapping[str, Any] | None = None,
+            **options: Any) -> None:
+        """Add the bucket plan ``label`` that each rung of ``needed_by`` needs; ``store`` puts
+        its compiled plan in the runner's tables. Deferred unless a skeleton rung needs it.
+        ``options``: further ``PlanCompiler.add`` arguments."""
+        needed_by = list(needed_by)
+        unknown = [rung for rung in needed_by if rung not in self._missing]
+        if not needed_by or unknown:
+            raise ValueError(f"{label}: needed by {needed_by}, which must be rungs of the "
+                             f"ladders {self.full} (unknown: {unknown})")
+        deferred = self._skeleton.isdisjoint(needed_by)
+        self.compiler.add(label, plan, input_specs, meta_specs, deferred=deferred, **options)
+        self._needed_by[label] = needed_by
+        self._stores[label] = store
+        for rung in needed_by:
+            self._missing[rung].add(label)
+
+    def decode_rungs(self, rows: int) -> list[Rung]:
+        """The decode rungs whose steps run on the ``rows``-row decode executable."""
+        return [("decode_requests", count) for count in self.full.decode_requests
+                if self.full.decode_rows(count) == rows]
+
+    def add_resampler(self, resampler: Resampler, rows: int) -> None:
+        """Add the full-sampler plans of ``rows`` rows (once): every rung whose head or decode
+        step has ``rows`` rows needs them."""
+        needed_by = self.decode_rungs(rows)
+        if rows in self.full.prefill_requests:
+            needed_by.append(("prefill_requests", rows))
+        for label, key, plan, inputs, meta in resampler.plans_for(rows):
+            if label not in self._needed_by:
+                self.add(needed_by, label, resampler.store(key), plan, inputs, meta)
+
+    # ----------------------------------------------------------------- compiling
+
+    def compile_all(self, *, background: bool = True) -> CompileSummary:
+        """Compile the skeleton's plans (and load the deferred ones the cache holds whole),
+        store them, and with ``background`` start the thread that compiles the rest."""
+        plans, summary = self.compiler.compile_all()
+        for label, plan in plans.items():
+            self._store(label, plan)
+        self._publish()
+        if background and self.compiler.num_deferred:
+            self._thread = threading.Thread(target=self._run, name="ladder-compile",
+                                            daemon=True)
+            _running.add(self)
+            self._thread.start()
+        return summary
+
+    def compile_deferred(self, limit: int | None = None) -> CompileSummary:
+        """Compile up to ``limit`` deferred bucket plans (all: None) on the calling thread,
+        publishing each rung they complete."""
+        return self.compiler.compile_deferred(self._adopt, limit=limit)
+
+    def _store(self, label: str, plan: CompiledPlan) -> None:
+        self._stores.pop(label)(plan)
+        for rung in self._needed_by[label]:
+            self._missing[rung].discard(label)
+
+    def _adopt(self, label: str, plan: CompiledPlan) -> None:
+        self._store(label, plan)
+        self._publish()
+
+    def _publish(self) -> None:
+        sizes: dict[str, list[int]] = {field.name: [] for field in dataclasses.fields(self.full)}
+        for (name, size), missing in self._missing.items():
+            if not missing:
+                sizes[name].append(size)
+        self.ready = dataclasses.replace(
+            self.full, **{name: tuple(sorted(values)) for name, values in sizes.items()})
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        compiled = loaded = 0
+        try:
+            while self.compiler.num_deferred and not self._stop.is_set():
+                summary = self.compile_deferred(limit=1)
+                compiled += summary.num_compiled
+                loaded += summary.num_loaded
+                logger.debug("background compile: %s", ", ".join(summary.seconds_per_label))
+        except BaseException as error:  # recorded: the next step raises it
+            self.error = error
+            logger.critical("the background compile failed; the next step raises it",
+                            exc_info=error)
+        else:
+            logger.info("background compile: %d executables compiled and %d loaded in %.1fs; "
+                        "%d of %d buckets ready", compiled, loaded, time.perf_counter() - start,
+                        *self.counts())
+        finally:
+            _running.discard(self)
+
+    # ----------------------------------------------------------------- state
+
+    def check(self) -> None:
+        """Raise the background compile's failure, if there was one."""
+        if self.error is not None:
+            raise CompileError(f"the background compile failed: {self.error}") from self.error
+
+    @property
+    def complete(self) -> bool:
+        """Whether every rung of the full ladders is ready."""
+        ready, total = self.counts()
+        return ready == total
+
+    def counts(self) -> tuple[int, int]:
+        """(ready rungs, all rungs) over every ladder, from one snapshot of ``ready``."""
+        return len(rungs(self.ready)), len(self._missing)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile to end (at most ``timeout`` seconds); whether every
+        rung is ready. Raises the background compile's failure."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.check()
+        return self.complete
+
+    def stop(self) -> None:
+        """Stop the background compile after its current bucket and wait for it."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def stats(self) -> dict[str, int]:
+        ready, total = self.counts()
+        return {"buckets_ready": ready, "buckets_total": total}
