@@ -276,13 +276,15 @@ def _choices() -> dict:
 def _tiny_llama(tp: int) -> dict:
     """tiny_llama (4 query, 2 KV heads) through LLM over ``tp`` devices with the prefill kernel
     the runner is given by ``choose_prefill_kernel``."""
-    from test_tensor_parallel import ENGINE, GOLDEN, PROMPTS
+    from test_tensor_parallel import ENGINE, GOLDEN, SUFFIXES
 
     from tokenspeed_jax import LLM, SamplingParams
 
+    golden = np.load(GOLDEN / "tiny_llama.npz")
     llm = LLM(str(GOLDEN / "tiny_llama"), tensor_parallel_size=tp,
               **{**ENGINE, "compile_cache": False})
-    completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
+    prompts = [golden[f"prompt_ids{s}"].tolist() for s in SUFFIXES]
+    completions = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
                                                              logprobs=0, ignore_eos=True))
     kernel, stats = llm.runner.prefill_kernel, llm.stats()
     llm.runner.guard.disarm()

@@ -27,7 +27,9 @@ Invariants:
   engine loop treats as an engine failure (the server then exits 1). An idle server notices it
   at its next step.
 * At interpreter exit, a background compile still running is stopped after its current bucket
-  (an ``atexit`` hook), so no XLA compile is cut off by the interpreter's shutdown.
+  (an ``atexit`` hook), so no XLA compile is cut off by the interpreter's shutdown; once the main
+  thread has ended, the thread pools refuse new work, which ends the background compile quietly,
+  not as a failure.
 """
 
 from __future__ import annotations
@@ -163,12 +165,17 @@ class LadderCompiler:
         start = time.perf_counter()
         compiled = loaded = 0
         try:
-            while self.compiler.num_deferred and not self._stop.is_set():
+            while (self.compiler.num_deferred and not self._stop.is_set()
+                   and threading.main_thread().is_alive()):
                 summary = self.compile_deferred(limit=1)
                 compiled += summary.num_compiled
                 loaded += summary.num_loaded
                 logger.debug("background compile: %s", ", ".join(summary.seconds_per_label))
         except BaseException as error:  # recorded: the next step raises it
+            if not threading.main_thread().is_alive():
+                # the interpreter is exiting: its thread pools refuse new work; not a failure
+                logger.debug("background compile stopped at exit: %r", error)
+                return
             self.error = error
             logger.critical("the background compile failed; the next step raises it",
                             exc_info=error)
