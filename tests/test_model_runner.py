@@ -439,16 +439,21 @@ def test_no_chunking_runs_long_prompts_eagerly(model):
         runner.guard.disarm()
 
 
-def test_injected_compile_failure_aborts_start_up(model, monkeypatch):
+def fail_attention_outputs_at(model, monkeypatch, rows: int) -> None:
+    """Make tracing the model's layers fail (``RuntimeError``) for ``rows``-row hidden states."""
     layer_type = type(model.layers[0])
     original = layer_type.attention_outputs
 
     def failing(self, hidden, attn):
-        if hidden.shape[0] == 32:
+        if hidden.shape[0] == rows:
             raise RuntimeError("injected failure")
         return original(self, hidden, attn)
 
     monkeypatch.setattr(layer_type, "attention_outputs", failing)
+
+
+def test_injected_compile_failure_aborts_start_up(model, monkeypatch):
+    fail_attention_outputs_at(model, monkeypatch, 32)
     runner = ModelRunner(model, ENGINE, 64, PAGE)
     with pytest.raises(CompileError, match=r"'out\+qkv'.*T=32"):
         runner.compile_all()
@@ -839,15 +844,7 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
 def test_a_background_compile_failure_surfaces_at_the_next_step(model, monkeypatch):
     """A bucket that fails to compile on the background thread is fatal as at start-up: the
     error names the segment and the bucket, and the runner's next step raises it."""
-    layer_type = type(model.layers[0])
-    original = layer_type.attention_outputs
-
-    def failing(self, hidden, attn):
-        if hidden.shape[0] == 4:
-            raise RuntimeError("injected failure")
-        return original(self, hidden, attn)
-
-    monkeypatch.setattr(layer_type, "attention_outputs", failing)
+    fail_attention_outputs_at(model, monkeypatch, 4)
     config = dataclasses.replace(LADDER, disable_prefill_graph=True, compile_cache=False)
     runner = ModelRunner(model, config, 64, PAGE)
     runner.compile_all()  # the skeleton's decode executables have 2 and 8 rows
