@@ -48,28 +48,28 @@ class EngineConfig:
     max_model_len: int = 4096
     # Show a progress bar during the start-up compile.
     compile_progress: bool = True
-    # Executables compiled at once at start-up (a cold cache). More can shorten a cold start
-    # (on an H200, 8: 141 -> 114 s for SmolLM2) but disturbs XLA's timing of candidate kernels.
+    # Executables compiled at once at start-up (a cold cache). More can shorten a cold start but
+    # disturbs XLA's timing of candidate kernels.
     compile_threads: int = 1
     # Compile a skeleton of the buckets before serving (token buckets about 4x apart, the
     # smallest and largest request-count buckets) and the others in a background thread; until
     # a bucket is ready, its steps take the smallest ready one that fits (more padding, the same
     # results), and run slower while the compiles share the machine. On a GPU each executable
-    # compiles for seconds (autotuning); on a 2-core CPU a cold SmolLM2 server was ready 3x
-    # sooner (docs/benchmarks.md). Off: every bucket compiles before serving.
+    # compiles for seconds (autotuning), so a skeleton is ready long before the whole ladder.
+    # Off: every bucket compiles before serving.
     background_compile: bool = True
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
     # dtype of the KDA layers' recurrent state rows (hybrid models): "float32", or "bfloat16" for
-    # half their memory and half the state a decode step reads and writes (its KDA kernel ran
-    # 1.7x faster at batch 64 on an H200). The kernels compute in fp32 either way and round a
-    # state only where they store it: once per prefill call and once per decode step.
+    # half their memory and half the state a decode step reads and writes (the KDA decode
+    # kernel is bound by those reads and writes). The kernels compute in fp32 either way and
+    # round a state only where they store it: once per prefill call and once per decode step.
     kda_state_dtype: str = "float32"
     # One executable per prefill token bucket with attention inside, instead of segments with
     # attention at breaks: 2 host calls per prefill step instead of 2 x layers + 1, for models
     # whose prefill is dispatch-bound; the whole forward compiles per bucket (Llama-family models).
     # None = auto: on a GPU for models whose layer weights take at most 2 GiB, without tensor
-    # parallelism (SmolLM2's 512-token prefill ran 3x faster inline on an H200); off elsewhere,
+    # parallelism (small models, whose prefill is dispatch-bound); off elsewhere,
     # where a cold start compiling the whole forward per bucket is the longer one.
     inline_prefill_attention: bool | None = None
     # Decode attention on a GPU as one Pallas kernel per layer that also writes the step's K/V

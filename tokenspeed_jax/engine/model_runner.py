@@ -13,13 +13,13 @@ Routes, chosen per step from static configuration and the step's sizes:
   With ``stack_decode_weights`` (auto for small models on a GPU) the executable takes each
   layer weight stacked over the layers, a start-up copy, so its argument count does not grow
   with depth: on a GPU each argument costs host time at every call. The inline prefill encoder
-  keeps one argument per layer weight: stacked, its larger products ran 5-8% slower.
+  keeps one argument per layer weight: stacked, its larger products ran slower.
   Successive decode steps of a bucket take its two *turns* (``decode_turns``), each writing its
   sampled rows into a buffer of its own, donated like the caches and the board. With
   ``alternate_decode_executables`` (auto on one GPU) each turn runs its own loaded copy of the
   bucket's executable (``PlanCompiler.add(copies=2)``), so each copy's command buffer sees the
-  same addresses at every call and is never re-recorded (re-recording took about 200 us a
-  SmolLM2 step on an H200).
+  same addresses at every call and is never re-recorded (a re-record costs host time at
+  every step).
   Decode attention is the kernel ``paged_attention_backend.choose_decode_kernel`` picks once (on a
   GPU the fused kernel that also writes the step's K/V, or with ``fused_decode_attention`` off
   the Pallas op), so its cost follows the live context, not ``max_model_len``.
@@ -175,8 +175,8 @@ def split_requests(
 
 
 # XLA on GPUs rewrites a one-row matrix product as a multiply and a reduce that it does not fuse,
-# writing each weight out whole: a one-request decode step runs on two rows instead (the
-# SmolLM2 shape's step took 3.27 ms on one row, 2.76 ms on two, on an H200).
+# writing each weight out whole: a one-request decode step runs on two rows instead, which is
+# faster.
 MIN_DECODE_ROWS = 2
 SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
 
@@ -336,7 +336,7 @@ def stack_layer_states(layer_states: Sequence[Any], compiler: PlanCompiler) -> A
 def unstack_layer_states(stacked: Any, num_layers: int) -> list[Any]:
     """Inside a trace: each layer's state as static slices of the stacked leaves. On a GPU XLA
     reads them in place (the products cost what separate weights cost); the CPU backend does
-    not (a SmolLM2 step 3.4x slower), hence auto only on GPUs."""
+    not (a step several times slower), hence auto only on GPUs."""
     return [jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked) for i in range(num_layers)]
 
 

@@ -2,8 +2,8 @@
 
 A runner's head (or whole decode step) ends with the *in-step* sampler, ``fast_sample``:
 temperature, min-p, seeds and greedy rows, but no top-k/top-p truncation and no top
-log-probabilities, so it never sorts over the vocabulary (``lax.top_k`` cost 1.4 ms per step of
-an 8B-shape decode at batch 32 on an H200). The head also returns its logits as fp32
+log-probabilities, so it never sorts over the vocabulary (``lax.top_k``'s sort was one of a
+decode step's main device costs). The head also returns its logits as fp32
 ``[rows, V]``. When a sampled request needs more (``needs_full_sampler``: penalties, truncation
 of a sampled row, top log-probabilities), ``Resampler`` runs the *full* sampler on those logits:
 one compiled plan per row bucket, plus a penalized one that also takes ``counts i32[rows, V]``
@@ -136,8 +136,8 @@ def step_output(results: list[np.ndarray], order: np.ndarray | None = None) -> S
 
 
 def _widened(rows: np.ndarray, width: int) -> np.ndarray:
-    """``rows`` with zero columns appended up to ``width`` (``np.pad`` costs about 20 us a
-    call, as much as the rest of a step's output handling)."""
+    """``rows`` with zero columns appended up to ``width`` (``np.pad``'s per-call overhead
+    is as large as the rest of a step's output handling)."""
     if rows.shape[1] == width:
         return rows
     wide = np.zeros((rows.shape[0], width), rows.dtype)

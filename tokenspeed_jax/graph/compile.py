@@ -47,12 +47,11 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   each copy with its own runtime state, in ``CompiledPlan.copies``. On a GPU that state
   includes the command buffers (CUDA graphs) XLA records with the addresses of an executable's
   buffers; when any address differs from the last run's, XLA re-records the graph before
-  launching it (about 200 us for SmolLM2's 303-kernel decode step on an H200, whose launch
-  then appears to wait for the previous run). A step that alternates two copies shows each copy
-  fixed addresses when its other buffers are donated or come from a two-deep cycle (as metadata
-  sent while the previous step's is still in use did, measured); an output held past the next
-  launch did not, and is better written into a donated buffer of each copy's own
-  (``engine/decode_turns.py``).
+  launching it, at a cost in host time, and the launch then appears to wait for the previous
+  run. A step that alternates two copies shows each copy fixed addresses when its other
+  buffers are donated or come from a two-deep cycle (as metadata sent while the previous
+  step's is still in use did, measured); an output held past the next launch did not, and is
+  better written into a donated buffer of each copy's own (``engine/decode_turns.py``).
 * With a ``mesh`` (tensor parallelism, ``tokenspeed_jax/parallel.py``) every executable is
   compiled with explicit input and output shardings: an input spec or parameter array keeps its
   own multi-device sharding, a plan value gets the sharding ``add(shardings=...)`` names for it,
@@ -89,9 +88,8 @@ from tokenspeed_jax.graph.cache import (
 from tokenspeed_jax.graph.plan import Break, Call, Plan
 from tokenspeed_jax.graph.runner import CompiledCall, CompiledPlan
 
-# Cache hits are deserialized on several threads (the load runs outside the GIL: 200 entries took
-# 2.1 s on one thread and 1.2 s on two, on a 2-core CPU; 21 SmolLM2 executables 1.42 s on one and
-# 0.31 s on eight, on an H200's host).
+# Cache hits are deserialized on several threads: the load runs outside the GIL, so threads
+# shorten a warm start.
 LOAD_THREADS = min(8, os.cpu_count() or 1)
 
 
@@ -151,7 +149,7 @@ def direct_call(compiled: Any, num_args: int) -> tuple[Any, tuple[Any, ...]] | N
     The handlers are the ones ``Compiled.__call__`` itself hands its results to (jax's
     ``ExecuteReplicated.out_handler``, a private attribute): they wrap each output buffer, or a
     sharded output's per-device buffers, as one ``jax.Array`` in C++. Taking the results apart
-    in Python instead cost about 14 us more per call on the CPU, and for sharded outputs
+    in Python instead costs more host time per call, and for sharded outputs
     reassembling the shards cost more than ``Compiled.__call__`` saves. A jax that moves the
     attribute fails here, at start-up, by name."""
     raw = compiled.runtime_executable()
@@ -293,11 +291,10 @@ class PlanCompiler:
         description of everything the stage functions read besides their arguments (needed to
         cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
         programs over it. ``compiler_options``: XLA options for every executable (module
-        docstring). ``threads``: executables compiled at once. One by default: on an H200
-        eight at once took a cold SmolLM2 start-up from 141 s to 114 s, but each compile ran
-        six times longer and XLA warned that its autotuner's timer was disturbed (a disturbed
-        timing can pick a slower kernel); on a 2-core CPU two at once took 20% off a tiny
-        Llama's 12 compiles, added 13% to two KDA kernels' and nothing to the test suite."""
+        docstring). ``threads``: executables compiled at once. One by default: on a GPU most
+        of a compile is XLA's autotuner timing kernels on the device, which does not overlap,
+        and compiles at once disturb its timings (which can then pick a slower kernel); on a
+        2-core CPU they did not shorten the test suite."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads

@@ -95,8 +95,7 @@ def choose_grouped_kernel(*, sizes: tuple[int, ...], dtype: jnp.dtype,
     """The grouped matmul for this platform (default: JAX's default backend): the Pallas kernel
     on a GPU when the default blocks divide every contraction and output size in ``sizes`` and
     the dtype is one it takes; ``ragged_dot`` otherwise, with the reason logged on a GPU (XLA
-    lowers it densely there: 37x slower at 2048 tokens of Kimi-Linear's experts,
-    docs/benchmarks.md)."""
+    lowers it densely there, multiplying every row by every expert's weights)."""
     if (platform or jax.default_backend()) != "gpu":
         return REFERENCE_GROUPED_MATMUL
     blocks = GroupedMatmulBlocks()

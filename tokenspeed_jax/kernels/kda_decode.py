@@ -45,7 +45,7 @@ class RecurrentConfig:
     """Tuning knobs of the recurrent kernel."""
 
     block_v: int = 8  # V columns (rows of the transposed state) per program
-    num_warps: int = 1  # 8 x 1 warp was the fastest decode on an H200 (docs/benchmarks.md)
+    num_warps: int = 1  # a transposed row keeps each sum over K inside one warp
     num_stages: int = 1
 
 

@@ -32,10 +32,10 @@ Invariants:
   disagree. The diagonal kernel leaves a block's rows unwritten when the block is near for all
   of a program's heads; the scores kernel never reads a near block's rows. Gates of fla's
   benchmark (-softplus(x - 1)) make every block near; 2% of gates at -100 make almost none.
-- Programs are small on purpose: a program holds 4 rows (`ChunkConfig.diagonal_rows`; one row
-  took 42 us at T=8192 only to skip near blocks; 16 rows took 392 us for the exact pairs
-  against 269 at one row), one row block's products or one chunk's solve, so an SM holds
-  several and their waits overlap.
+- Programs are small on purpose: a program holds 4 rows (`ChunkConfig.diagonal_rows`; one-row
+  programs spend their time skipping near blocks, 16-row ones are slower on the exact pairs),
+  one row block's products or one chunk's solve, so an SM holds several and their waits
+  overlap.
 - A row block meets only the keys before it. Each block is its own call (its offsets static:
   under a branch on the block id the compiler took 180-255 registers), so block b decays and
   multiplies the first 16 b keys, padded to a power-of-two width (16, 32, 64) and masked,
@@ -48,7 +48,7 @@ Invariants:
   squarings. For fp32 inputs (and in the interpreter) their dots are fp32 (`HIGHEST`); for bf16
   inputs they run the algorithm `ChunkConfig` names (`INVERSE_DOTS`), three-pass bf16 by
   default: about 16 bits of each operand, more than one-pass TF32 (fla's choice for its
-  triangular solve) and less than fp32. The whole prefill is 6-9% faster than with three-pass
+  triangular solve) and less than fp32. The whole prefill is faster than with three-pass
   TF32 and fp32 FMAs, with the same errors against the fp32 reference; the inverse is rounded
   to bf16 anyway before its products with v and k.
 - The solve kernel's inverse stays fp32; its products with v and k then take operands in the

@@ -63,9 +63,8 @@ class DecodeKernel:
     backend: str = REFERENCE
     block_h: int = 16  # query heads per program; the op requires a multiple of 16
     pages_per_compute_block: int = 8  # pages loaded per inner step (a power of 2)
-    # At most this many partitions of a page table, reduced at the end. Measured on an H200
-    # (8B shape, pages of 16): 4 is best or within 3% of best at batch 1, 32 and 128; 16 was
-    # 1.5x slower at batch 32.
+    # At most this many partitions of a page table, reduced at the end: the setting that was
+    # best, or close to it, at small and large batches alike.
     k_splits: int = 4
     interpret: bool = False  # run the Pallas op in the interpreter (tests on the CPU)
     mesh: Mesh | None = None  # run the op per shard of the KV heads over this mesh

@@ -32,7 +32,7 @@ Invariants:
   keys, then the values: the order of XLA's merged q/k/v projection, which it then hands over
   without a copy), and with RoPE tables it rotates q and k itself. Separate operands and XLA's
   rope had cost a copy each and two rope fusions; operands grouped by KV head, one
-  concatenation (13, then 11, now 10 kernels per SmolLM2 decode layer on an H200).
+  concatenation; this layout costs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -60,9 +60,8 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
 )
 from tokenspeed_jax.kernels.rotary import rotate, rotate_with, swapped_features
 
-# Programs that keep an H200 (132 SMs) busy. Measured there (bf16, context 512, whole decode
-# steps): the 8B shape (8 KV heads) at batch 1 is faster with 4 splits than 1 (4.51 against
-# 4.82 ms) and at batch 32 and 128 with 1 than 4 (5.95 against 6.04, 9.18 against 9.70 ms).
+# About one program per SM of an H200 (132 SMs): while batch x KV heads is below this, splitting
+# each request's pages keeps the SMs busy; above it, unsplit pages were faster.
 FILL_PROGRAMS = 128
 
 

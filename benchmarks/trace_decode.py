@@ -10,9 +10,9 @@ the steps run as the engine's overlap schedule runs them: each one is launched (
 input tokens read from the previous step's token board) before the previous step's tokens are
 fetched. Decode attention is the engine's default (the fused kernel on a GPU) unless --op-route.
 
-    python scripts/trace_decode.py --model llama8b-shape --decode-batches 1,32 --out traces/
-    python scripts/trace_decode.py --model smollm2 --decode-batches 1 --run-ahead --out traces/
-    python scripts/trace_decode.py --model tiny --decode-batches 1 --dtype float32   # CPU check
+    python benchmarks/trace_decode.py --model llama8b-shape --decode-batches 1,32 --out traces/
+    python benchmarks/trace_decode.py --model smollm2 --decode-batches 1 --run-ahead --out traces/
+    python benchmarks/trace_decode.py --model tiny --decode-batches 1 --dtype float32   # CPU check
 
 Event times overlap (a parent event contains its children), so the rows of one thread do not add
 up to the step; compare rows across variants instead. A trace slows the host side down.

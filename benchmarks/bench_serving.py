@@ -6,7 +6,7 @@ output lengths drawn uniformly around a mean from a seeded generator, so two run
 flags send the same workload. Prints a table, optionally writes JSON and a plot (matplotlib only
 if installed).
 
-    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-requests 200 \
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --num-requests 200 \
         --concurrency 32 --input-len 256 --output-len 128 --json out.json --plot out.png
 """
 

@@ -1,8 +1,8 @@
 """Decode step time of the serving engine with and without the overlap schedule, side by side.
 
-    python scripts/bench_overlap.py [--models smollm2 llama8b-shape] [--batches 1 32]
+    python benchmarks/bench_overlap.py [--models smollm2 llama8b-shape] [--batches 1 32]
                                     [--tokens 128] [--repeats 3] [--out FILE]
-    python scripts/bench_overlap.py --tiny      # CPU smoke test: the tiny shape, float32
+    python benchmarks/bench_overlap.py --tiny      # CPU smoke test: the tiny shape, float32
 
 For each model shape a random checkpoint (``random_checkpoint.py``, bf16; float32 with --tiny,
 the tokenizer of ``tests/golden/tiny_llama``) is written once into a temporary directory and

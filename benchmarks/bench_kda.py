@@ -1,7 +1,7 @@
 """Check the KDA Pallas kernels against the pure-JAX reference on the GPU, then time them beside
 fla's Triton kernels (`chunk_kda`, `fused_recurrent_kda`) at H=32, K=V=128, bf16.
 
-    python3 scripts/bench_kda.py [--out DIR] [--skip-fla] [--budget-s SECONDS]
+    python3 benchmarks/bench_kda.py [--out DIR] [--skip-fla] [--budget-s SECONDS]
 
 Checks (fp32 and bf16): ragged packed prefill with GVA, states from a pool, a padded request and
 a checkpoint; the recurrent kernel; decode with the fused gate and L2 norm; the prefill and decode

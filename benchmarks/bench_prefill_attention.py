@@ -1,7 +1,7 @@
 """Check the ragged paged prefill attention kernel against its plain-JAX reference on the GPU,
 then time both at the Llama-3-8B attention shape (32 query heads, 8 KV heads, Dh 128, page 16).
 
-    python3 scripts/bench_prefill_attention.py [--out DIR] [--budget-s SECONDS]
+    python3 benchmarks/bench_prefill_attention.py [--out DIR] [--budget-s SECONDS]
 
 Checks (fp32 and bf16): a ragged batch of requests with cached prefixes of several lengths
 (mid-page ends, a one-token request, padding tokens and unused page-table rows); each reports

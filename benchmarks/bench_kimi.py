@@ -7,7 +7,7 @@ markdown table for docs/benchmarks.md. The shape is Kimi-Linear-48B-A3B's (hidde
 kv_lora_rank 512, 256 experts of 1024, 8 per token, 1 shared) with ``--layers`` layers in its
 3 KDA : 1 MLA pattern (the full 27 layers need about 100 GB of bf16 weights).
 
-    python scripts/bench_kimi.py --layers 8 --prefill-tokens 2048 --decode-batches 1 32 64
+    python benchmarks/bench_kimi.py --layers 8 --prefill-tokens 2048 --decode-batches 1 32 64
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time the routed-expert MLP of Kimi-Linear-48B-A3B on the GPU: ``lax.ragged_dot`` against the
 Pallas grouped matmul of ``kernels.grouped_matmul``.
 
-    python3 scripts/bench_moe.py [--out DIR] [--budget-s SECONDS] [--tiny]
+    python3 benchmarks/bench_moe.py [--out DIR] [--budget-s SECONDS] [--tiny]
 
 Shape: hidden 2304, 256 experts of 1024, 8 per token, bf16, at T = 64, 512, 2048 and 8192
 tokens, each token routed to 8 distinct experts drawn uniformly. Each case times

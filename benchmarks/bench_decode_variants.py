@@ -1,6 +1,6 @@
 """Decode-step variants side by side in one process, taking turns.
 
-    python scripts/bench_decode_variants.py --model smollm2 --batches 1,8,32 --rounds 5 \\
+    python benchmarks/bench_decode_variants.py --model smollm2 --batches 1,8,32 --rounds 5 \\
         --variants default serialize one-split
 
 A host-bound step (SmolLM2's shape on a GPU) moves by tens of percent between processes and

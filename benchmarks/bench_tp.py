@@ -24,9 +24,9 @@ decode bucket for the check) and a decode runner whose page tables span --decode
 (as ``bench_graph.decode_runner``'s), so decode attention reads the pages of that context only.
 ``--tiny``: tiny shapes of both families and small sizes, a check that runs on the CPU.
 
-    python scripts/bench_tp.py --tp 1,2 --out bench_tp.json            # 2 GPUs
+    python benchmarks/bench_tp.py --tp 1,2 --out bench_tp.json            # 2 GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-        python scripts/bench_tp.py --tiny                               # CPU check
+        python benchmarks/bench_tp.py --tiny                               # CPU check
 """
 
 from __future__ import annotations

@@ -30,13 +30,13 @@ Invariants:
   ``PlanCompiler.compile_all`` (the plan executables, the only ones the cache can serve); the rest
   (eager ops such as KV-cache allocation) are compiled again by every start.
 
-    python scripts/bench_startup.py --out startup.json            # GPU: all three cases
-    python scripts/bench_startup.py --tiny                        # CPU smoke test, tiny shapes
-    python scripts/bench_startup.py --cases smollm2 --random-weights --server-ladder 2048
+    python benchmarks/bench_startup.py --out startup.json            # GPU: all three cases
+    python benchmarks/bench_startup.py --tiny                        # CPU smoke test, tiny shapes
+    python benchmarks/bench_startup.py --cases smollm2 --random-weights --server-ladder 2048
                                         # the server's default ladders up to 2048 tokens a step
-    python scripts/bench_startup.py --cases smollm2 --inline-prefill-attention
+    python benchmarks/bench_startup.py --cases smollm2 --inline-prefill-attention
                                         # prefill encoders with attention inside
-    python scripts/bench_startup.py --cases smollm2 --compile-threads 1
+    python benchmarks/bench_startup.py --cases smollm2 --compile-threads 1
                                         # one executable compiled at a time
 """
 
