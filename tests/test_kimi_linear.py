@@ -101,8 +101,17 @@ def test_config_reads_one_indexed_layer_lists():
     assert KimiLinearConfig.from_hf(config.to_hf()) == config
 
 
+def test_config_without_mla_use_nope_is_the_nope_config():
+    """A config.json that transformers' KimiLinearForCausalLM writes has no ``mla_use_nope``: its
+    MLA has only the NoPE form."""
+    raw = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
+    assert raw["mla_use_nope"] is True
+    without = {key: value for key, value in raw.items() if key != "mla_use_nope"}
+    assert KimiLinearConfig.from_hf(without) == KimiLinearConfig.from_hf(raw)
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"mla_use_nope": False}, "mla_use_nope"),
+    ({"mla_use_nope": False}, "mla_use_nope=False is not supported"),
     ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "head_dim": 16}},
      "partition"),
     ({"num_key_value_heads": 1}, "num_key_value_heads"),

@@ -19,7 +19,8 @@ Invariants:
 
 * The config is read from the checkpoint's config.json: ``linear_attn_config`` lists 1-indexed
   ``kda_layers`` and ``full_attn_layers`` that must partition the layers; MLA must be NoPE
-  (``mla_use_nope: true``, the only form the reference implements) with as many KV heads as heads.
+  (``mla_use_nope: true``, or the key absent as in configs transformers writes, whose
+  implementation has only that form) with as many KV heads as heads.
 * ``hf_weight_map`` is the one place that converts checkpoint names and ``[out, in]`` layouts;
   per-expert tensors (``block_sparse_moe.experts.<e>.w{1,2,3}``) are stacked into ``[E, ...]``.
   ``build_kimi_model`` checks both directions (unused tensor, unfilled parameter) like the
@@ -136,9 +137,10 @@ class KimiLinearConfig:
         types = [KDA] * layers
         for index in full_layers:
             types[index - 1] = MLA
-        if full_layers and not config.get("mla_use_nope", False):
-            raise ValueError("mla_use_nope=false (rotary MLA) is not supported; Kimi-Linear "
-                             "checkpoints use NoPE MLA")
+        use_nope = config.get("mla_use_nope", True)  # absent: transformers' NoPE-only form
+        if full_layers and use_nope is not True:
+            raise ValueError(f"mla_use_nope={use_nope!r} is not supported: only NoPE MLA is "
+                             "(mla_use_nope true or absent), rotary MLA is not")
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         if kv_heads != heads:
