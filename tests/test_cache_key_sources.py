@@ -16,13 +16,18 @@ from tokenspeed_jax.graph import cache as cache_module
 from tokenspeed_jax.graph.cache import executable_key, function_identity
 
 PACKAGE = Path(cache_module.__file__).resolve().parents[1]
-HOST_SIDE = ["server/app.py", "server/protocol.py", "tokenizer.py", "detokenizer.py", "llm.py",
-             "outputs.py", "cache.py", "engine/scheduler.py", "engine/block_manager.py",
-             "engine/engine.py", "engine/request.py"]
-DEVICE_SIDE = ["models/llama.py", "models/kimi_linear_layers.py", "kernels/kda.py",
-               "kernels/paged_decode.py", "graph/plan.py", "graph/compile.py",
-               "engine/model_runner.py", "engine/kimi_runner.py", "engine/sampler.py",
-               "engine/sampling_plans.py", "parallel.py"]
+# Patterns (under the package root) rather than a file list, so modules that move keep their side.
+HOST_SIDE = ["server/**/*.py", "tokenizer.py", "detokenizer.py", "llm.py", "outputs.py",
+             "cache.py", "**/scheduler.py", "**/block_manager.py", "**/request.py"]
+DEVICE_SIDE = ["models/**/*.py", "kernels/**/*.py", "graph/**/*.py", "engine/**/*runner*.py",
+               "engine/**/sampl*.py", "parallel.py"]
+
+
+def matching(root: Path, patterns: list[str]) -> list[Path]:
+    """Every module under ``root`` that one of ``patterns`` matches; each pattern matches one."""
+    found = {pattern: sorted(root.glob(pattern)) for pattern in patterns}
+    assert all(found.values()), [pattern for pattern, paths in found.items() if not paths]
+    return sorted({path for paths in found.values() for path in paths})
 
 
 @pytest.fixture
@@ -53,29 +58,31 @@ def edit(path: Path) -> None:
 
 def test_editing_a_host_side_module_keeps_the_key(key_of, package_copy):
     before = key_of(package_copy)
-    for relative in HOST_SIDE:
-        edit(package_copy / relative)
-        assert key_of(package_copy) == before, relative
+    for path in matching(package_copy, HOST_SIDE):
+        edit(path)
+        assert key_of(package_copy) == before, path
 
 
 def test_editing_a_module_that_shapes_executables_changes_the_key(key_of, package_copy):
     seen = {key_of(package_copy)}
-    for relative in DEVICE_SIDE:
-        edit(package_copy / relative)
+    for path in matching(package_copy, DEVICE_SIDE):
+        edit(path)
         key = key_of(package_copy)
-        assert key not in seen, relative
+        assert key not in seen, path
         seen.add(key)
 
 
 def test_a_model_module_moved_into_a_folder_stays_covered(key_of, package_copy):
     before = key_of(package_copy)
-    folder = package_copy / "models" / "llama"
+    module = next(path for path in sorted((package_copy / "models").rglob("*.py"))
+                  if path.name != "__init__.py")
+    folder = package_copy / "models" / "moved_family"
     folder.mkdir()
-    (package_copy / "models" / "llama.py").rename(folder / "model.py")
-    (folder / "__init__.py").write_text('"""The Llama family."""\n')
+    moved_to = module.rename(folder / module.name)
+    (folder / "__init__.py").write_text('"""A family folder."""\n')
     moved = key_of(package_copy)
     assert moved != before
-    edit(folder / "model.py")
+    edit(moved_to)
     assert key_of(package_copy) != moved
 
 
