@@ -10,6 +10,11 @@ Kimi-Linear-48B-A3B; ``tiny_kimi_qlora``: a low-rank query path):
   ``block_sparse_moe.experts.<e>.w1``, ``block_sparse_moe.gate.e_score_correction_bias``, ...).
   transformers renames these on load (its ``conversion_mapping``); the script writes the names by
   hand and checks that ``from_pretrained`` fills every parameter with exactly the saved values.
+- ``tiny_kimi_hf/``: a checkpoint as transformers itself writes one: ``save_pretrained`` of a
+  model built from ``KimiLinearConfig``'s own arguments. Its config.json has ``layer_types``,
+  ``linear_*`` and ``mlp_layer_types`` and no ``linear_attn_config``, ``first_k_dense_replace``
+  or ``mla_use_nope``; its tensors are named as above except a dense layer's MLP
+  (``block_sparse_moe.gate_proj`` where the checkpoint format has ``mlp.gate_proj``).
 - ``<name>.npz``: ``prompt_ids`` int32 [B, T] (two rows, no padding), ``logits`` float32 [B, T, V]
   of one fp32 forward of the prompts; ``greedy_ids`` int32 [B, N], the tokens
   ``generate(do_sample=False)`` appends (transformers' own cache: chunked KDA prefill, then the
@@ -22,13 +27,15 @@ The torch-only path: transformers picks fla's Triton kernels when the ``fla`` pa
 fla-core imports even without triton here. The script blocks the ``fla`` and ``causal_conv1d``
 imports before transformers is imported, so KimiLinear runs its pure-torch chunked and recurrent
 KDA and its ``F.conv1d`` short convolution, on the CPU, in fp32. Run with the golden venv
-(``scripts/make_golden.py kimi``).
+(``scripts/make_golden.py kimi``, or ``kimi_hf`` for ``tiny_kimi_hf`` alone).
 """
 
 import json
 import pathlib
 import shutil
 import sys
+from collections.abc import Callable
+from typing import Any
 
 for _blocked in ("fla", "causal_conv1d"):
     sys.modules[_blocked] = None  # an import of these now raises ImportError: torch path only
@@ -36,7 +43,7 @@ for _blocked in ("fla", "causal_conv1d"):
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, KimiLinearForCausalLM
+from transformers import AutoConfig, KimiLinearConfig, KimiLinearForCausalLM
 
 VOCAB_SIZE = 256
 BATCH = 2
@@ -97,6 +104,25 @@ CONFIGS = {
     "tiny_kimi_qlora": {**BASE_CONFIG, "q_lora_rank": 24, "num_hidden_layers": 4,
                         "linear_attn_config": {**BASE_CONFIG["linear_attn_config"],
                                                "kda_layers": [1, 3, 4], "full_attn_layers": [2]}},
+}
+
+# Built from KimiLinearConfig's own arguments and written by save_pretrained: its config.json has
+# layer_types, linear_* and mlp_layer_types where the checkpoint's own has linear_attn_config,
+# first_k_dense_replace and mla_use_nope, and it names a dense layer's MLP block_sparse_moe.*.
+HF_CONFIGS = {
+    "tiny_kimi_hf": {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 32, "intermediate_size": 64,
+        "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "kv_lora_rank": 16, "q_lora_rank": None,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 2.446, "linear_num_heads": 2,
+        "linear_head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                        "full_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32",
+    },
 }
 
 
@@ -191,15 +217,40 @@ def _greedy(model: torch.nn.Module, prompt: torch.Tensor) -> dict[str, np.ndarra
             "greedy_margin": (top2[..., 0] - top2[..., 1]).numpy().astype(np.float32)}
 
 
-def write_model(name: str, config: dict, golden_dir: pathlib.Path) -> None:
+def own_format(config: dict) -> tuple[Callable, Callable]:
+    """How to make the config and save the weights of a checkpoint in its own format."""
+    def new_config(directory: pathlib.Path) -> Any:
+        _write_config(directory, config)
+        return AutoConfig.from_pretrained(directory)
+
+    def save(model: torch.nn.Module, directory: pathlib.Path) -> None:
+        save_file(checkpoint_tensors(model, config), str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+    return new_config, save
+
+
+def transformers_format(arguments: dict) -> tuple[Callable, Callable]:
+    """How to make the config and save the weights of a checkpoint that transformers writes:
+    ``KimiLinearConfig(**arguments)`` and ``save_pretrained``."""
+    def new_config(directory: pathlib.Path) -> Any:
+        shutil.rmtree(directory, ignore_errors=True)
+        return KimiLinearConfig(**arguments)
+
+    def save(model: torch.nn.Module, directory: pathlib.Path) -> None:
+        model.save_pretrained(directory)
+
+    return new_config, save
+
+
+def write_model(name: str, form: tuple[Callable, Callable], golden_dir: pathlib.Path) -> None:
     directory = golden_dir / name
+    new_config, save = form
     for seed in range(MAX_SEED_TRIES):
         torch.manual_seed(seed)
-        _write_config(directory, config)
-        original = KimiLinearForCausalLM(AutoConfig.from_pretrained(directory)).eval()
+        original = KimiLinearForCausalLM(new_config(directory)).eval()
         _randomize(original, seed)
-        save_file(checkpoint_tensors(original, config), str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save(original, directory)
         model = _check_reload(directory, original)
         generator = torch.Generator().manual_seed(seed)
         prompt = torch.randint(3, VOCAB_SIZE, (BATCH, PROMPT_LENGTH), generator=generator)
@@ -229,9 +280,12 @@ def check_model(name: str, golden_dir: pathlib.Path) -> None:
         raise RuntimeError(f"{name}: greedy_logits do not pick greedy_ids")
 
 
-def write_all(golden_dir: pathlib.Path) -> None:
-    for name, config in CONFIGS.items():
-        write_model(name, config, golden_dir)
+def write_all(golden_dir: pathlib.Path, names: tuple[str, ...] | None = None) -> None:
+    """Write (and check) the checkpoints and goldens ``names`` (default: every one)."""
+    forms = {**{name: own_format(config) for name, config in CONFIGS.items()},
+             **{name: transformers_format(arguments) for name, arguments in HF_CONFIGS.items()}}
+    for name in names or tuple(forms):
+        write_model(name, forms[name], golden_dir)
         check_model(name, golden_dir)
 
 

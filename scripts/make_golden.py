@@ -2,7 +2,7 @@
 
 Run by hand, never by CI (CI has no torch); the tests only read the files this writes:
 
-    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi]
+    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi|kimi_hf]
 
 - ``llama``: tiny random-weight HF checkpoints (``tiny_llama/``, ``tiny_qwen3/``, ``tiny_tied/``),
   each a complete HF model directory with its own trained byte-level BPE tokenizer, plus
@@ -13,7 +13,8 @@ Run by hand, never by CI (CI has no torch); the tests only read the files this w
 - ``kda``: ``kda_naive.npz``, inputs and outputs of fla-core's naive Kimi Delta Attention.
 - ``kimi``: ``tiny_kimi*/`` Kimi-Linear checkpoints in the checkpoint's own format and
   ``tiny_kimi*.npz`` with transformers' pure-torch logits, greedy tokens and the logits of each
-  greedy step (``golden_kimi``).
+  greedy step (``golden_kimi``); ``kimi_hf``: only ``tiny_kimi_hf``, the one transformers saves
+  itself.
 
 Every run is deterministic (fixed torch seeds, CPU, fp32) and checks each file after writing it.
 
@@ -34,7 +35,7 @@ import pathlib
 import sys
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "golden"
-TARGETS = ("all", "llama", "smollm2", "kda", "kimi")
+TARGETS = ("all", "llama", "smollm2", "kda", "kimi", "kimi_hf")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,10 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         import golden_kda
 
         golden_kda.write(GOLDEN_DIR)
-    if args.target in ("all", "kimi"):
+    if args.target in ("all", "kimi", "kimi_hf"):
         import golden_kimi
 
-        golden_kimi.write_all(GOLDEN_DIR)
+        golden_kimi.write_all(GOLDEN_DIR, ("tiny_kimi_hf",) if args.target == "kimi_hf" else None)
 
 
 if __name__ == "__main__":

@@ -530,7 +530,7 @@ def test_a_cache_miss_logs_which_parts_of_the_key_differ(tmp_path, caplog, monke
                    for name, value in cache_module.environment())
     monkeypatch.setattr(cache_module, "environment", lambda: edited)
     (message,) = misses_logged(tmp_path, caplog, (8,))
-    assert "package source hash" in message and "argument shapes" not in message
+    assert "executable source hash" in message and "argument shapes" not in message
 
 
 def test_kimi_executables_load_in_a_second_process():

@@ -9,25 +9,23 @@ batched traffic forces preemption.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
-import tokenizers
 from golden_checks import assert_steps_match_golden, log_softmax, step_logprobs
 from test_llm import with_overlap
 from test_server import running_server, scrape
+from tiny_checkpoints import KIMI_VOCAB, tiny_kimi
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.engine.engine import AsyncEngine
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.server.metrics import COUNTERS, GAUGES
-from tokenspeed_jax.tokenizer import Tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
-VOCAB = 256
+VOCAB = KIMI_VOCAB
 OPTIONS = {
     "dtype": "float32",
     "prefill_graph_max_tokens": 128,
@@ -58,16 +56,9 @@ def logprobs(completion) -> np.ndarray:
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory) -> Path:
     """The tiny Kimi checkpoint with a word-level tokenizer over its 256 ids (w0 .. w255)."""
-    path = tmp_path_factory.mktemp("tiny_kimi")
-    for name in ("config.json", "model.safetensors"):
-        os.symlink((GOLDEN / "tiny_kimi" / name).resolve(), path / name)
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     template = ("{% for m in messages %}w1 {{ m['content'] }} {% endfor %}"
                 "{% if add_generation_prompt %}w3{% endif %}")
-    Tokenizer(backend, chat_template=template, eos_token="w2").save(path)
-    return path
+    return tiny_kimi(tmp_path_factory.mktemp("tiny_kimi"), template)
 
 
 @pytest.fixture(scope="module")

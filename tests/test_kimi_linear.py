@@ -23,7 +23,7 @@ from tokenspeed_jax.models.loader import load_checkpoint
 from tokenspeed_jax.models.moe import KimiMoE
 
 GOLDEN = Path(__file__).parent / "golden"
-NAMES = ("tiny_kimi", "tiny_kimi_qlora")
+NAMES = ("tiny_kimi", "tiny_kimi_qlora", "tiny_kimi_hf")  # _hf: saved by transformers itself
 ATOL = 2e-4  # fp32 end to end; chunked KDA and absorbed MLA only reorder float sums
 
 
@@ -101,8 +101,43 @@ def test_config_reads_one_indexed_layer_lists():
     assert KimiLinearConfig.from_hf(config.to_hf()) == config
 
 
+def test_checkpoint_saved_by_transformers_loads_and_matches_its_logits():
+    """``tiny_kimi_hf`` is what transformers' own ``save_pretrained`` writes: a config.json with
+    ``layer_types`` and ``mlp_layer_types`` (no ``linear_attn_config``, ``first_k_dense_replace``
+    or ``mla_use_nope``) and the dense layer's MLP under ``block_sparse_moe.``."""
+    raw = json.loads((GOLDEN / "tiny_kimi_hf" / "config.json").read_text())
+    assert not {"linear_attn_config", "first_k_dense_replace", "mla_use_nope"} & set(raw)
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi_hf", dtype="float32")
+    assert checkpoint.config.layer_types == ("kda", "mla", "kda", "mla")
+    assert checkpoint.config.first_k_dense_replace == 1
+    data = np.load(GOLDEN / "tiny_kimi_hf.npz")
+    logits, _ = prefill_prompt((checkpoint, data, jitted_forward(checkpoint.model)))
+    error = np.abs(np.asarray(logits) - data["logits"]).max() / np.abs(data["logits"]).max()
+    assert error < 1e-4
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"mla_use_nope": False}, "mla_use_nope"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention",
+                      "full_attention"]}, "layer_types"),
+    ({"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]}, "mlp_layer_types"),
+])
+def test_transformers_config_rejects_unsupported_layer_kinds(change, message):
+    raw = {**json.loads((GOLDEN / "tiny_kimi_hf" / "config.json").read_text()), **change}
+    with pytest.raises(ValueError, match=message):
+        KimiLinearConfig.from_hf(raw)
+
+
+def test_config_without_mla_use_nope_is_the_nope_config():
+    """A config.json that transformers' KimiLinearForCausalLM writes has no ``mla_use_nope``: its
+    MLA has only the NoPE form."""
+    raw = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
+    assert raw["mla_use_nope"] is True
+    without = {key: value for key, value in raw.items() if key != "mla_use_nope"}
+    assert KimiLinearConfig.from_hf(without) == KimiLinearConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mla_use_nope": False}, "mla_use_nope=False is not supported"),
     ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3], "head_dim": 16}},
      "partition"),
     ({"num_key_value_heads": 1}, "num_key_value_heads"),

@@ -17,7 +17,6 @@ executables (~20 s on 2 cores), so the worker builds only three engines.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,6 @@ import pytest
 from golden_checks import assert_steps_match_golden, step_logprobs
 
 GOLDEN = Path(__file__).parent / "golden"
-VOCAB = 256
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53])
 ENGINE = {  # one bucket per route keeps each start-up compile short
     "strict_no_compile": True, "compile_progress": False, "dtype": "float32",
@@ -43,30 +41,10 @@ SERVED_PROMPT = [7, 30, 31, 32, 33, 34]
 # ----------------------------------------------------------------------------- the worker
 
 
-def _save_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the 256 ids (w0 .. w255), so token ids round-trip as text."""
-    import tokenizers
-
-    from tokenspeed_jax.tokenizer import Tokenizer
-
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    Tokenizer(backend, eos_token="w2").save(path)
-
-
-def _tiny_kimi(root: Path) -> Path:
-    path = root / "tiny_kimi"
-    path.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        os.symlink((GOLDEN / "tiny_kimi" / name).resolve(), path / name)
-    _save_tokenizer(path)
-    return path
-
-
 def _wide_kimi(root: Path) -> Path:
     """tiny_kimi's config with 4 KDA and 4 MLA heads, random weights in the checkpoint layout."""
     from safetensors.numpy import save_file
+    from tiny_checkpoints import save_word_tokenizer
 
     from tokenspeed_jax.models.kimi_linear import KimiLinearConfig, kimi_weight_map
 
@@ -82,7 +60,7 @@ def _wide_kimi(root: Path) -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps(raw))
     save_file(tensors, str(path / "model.safetensors"))
-    _save_tokenizer(path)
+    save_word_tokenizer(path)
     return path
 
 
@@ -213,8 +191,10 @@ def _llama_pallas_decode(tp: int, fused: bool = True) -> dict:
 
 def _worker(mode: str) -> dict:
     if mode == "kimi":
+        from tiny_checkpoints import tiny_kimi
+
         with tempfile.TemporaryDirectory() as directory:
-            tiny, wide = _tiny_kimi(Path(directory)), _wide_kimi(Path(directory))
+            tiny, wide = tiny_kimi(Path(directory) / "tiny_kimi"), _wide_kimi(Path(directory))
             return {"tiny": _generate(tiny, 2, golden=True),
                     "wide": {tp: _generate(wide, tp) for tp in (1, 4)},
                     "tiny_tp4_error": _tp_error(tiny, 4)}

@@ -1,6 +1,7 @@
 """tokenspeed_jax: a JAX/XLA LLM inference engine built on a segmented ahead-of-time compile.
 
-Public names: ``LLM`` (load a model, generate, chat, score), ``SamplingParams`` and ``Completion``.
+Public names: ``LLM`` (load a model, generate, chat, score), ``EngineConfig`` (its options, which
+``LLM`` takes as keyword arguments), ``SamplingParams`` and ``Completion``.
 Submodules are imported lazily so that ``import tokenspeed_jax`` stays cheap.
 """
 
@@ -13,11 +14,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "tokenspeed_jax.llm",
+    "EngineConfig": "tokenspeed_jax.config",
     "SamplingParams": "tokenspeed_jax.sampling_params",
     "Completion": "tokenspeed_jax.outputs",
 }
 
-__all__ = ["LLM", "Completion", "SamplingParams"]
+__all__ = ["LLM", "Completion", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -29,11 +29,10 @@ import numpy as np
 from flax import nnx
 
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
-from tokenspeed_jax.engine.request import TokenLogprob
 from tokenspeed_jax.engine.sampler import SamplingArrays, sample
 from tokenspeed_jax.graph.guard import allowed
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaForCausalLM
-from tokenspeed_jax.outputs import Completion
+from tokenspeed_jax.outputs import Completion, TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams
 from tokenspeed_jax.tokenizer import Tokenizer
 

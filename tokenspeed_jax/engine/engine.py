@@ -63,10 +63,10 @@ from tokenspeed_jax.detokenizer import IncrementalDetokenizer
 from tokenspeed_jax.engine import sizing_record
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
-from tokenspeed_jax.engine.request import Request, RequestOutput, TokenLogprob
+from tokenspeed_jax.engine.request import Request, RequestOutput
 from tokenspeed_jax.engine.scheduler import ScheduledStep, Scheduler
 from tokenspeed_jax.engine.state_slots import StateSlots
-from tokenspeed_jax.outputs import Completion
+from tokenspeed_jax.outputs import Completion, TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.tokenizer import Tokenizer
 

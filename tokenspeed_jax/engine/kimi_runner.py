@@ -76,8 +76,9 @@ from flax import nnx
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.model_runner import Buckets, engine_compiler
+from tokenspeed_jax.engine.model_runner import engine_compiler
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,

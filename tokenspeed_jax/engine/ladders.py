@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from tokenspeed_jax.graph import CompiledPlan, CompileError, CompileSummary, Plan, PlanCompiler
 
 if TYPE_CHECKING:
-    from tokenspeed_jax.engine.model_runner import Buckets
+    from tokenspeed_jax.engine.buckets import Buckets
     from tokenspeed_jax.engine.sampling_plans import Resampler
 
 logger = logging.getLogger(__name__)

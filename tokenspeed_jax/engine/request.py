@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import time
 
+from tokenspeed_jax.outputs import TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams
 
 
@@ -71,13 +72,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

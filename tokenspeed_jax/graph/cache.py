@@ -11,8 +11,11 @@ without tracing (what ``executable_key`` hashes):
   and its version string (the CUDA/driver build on a GPU), the device kind and count,
   ``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``, and jax's trace-context settings (x64, default matmul
   precision, ...);
-* the code: a hash of every ``.py`` file of this package, plus the source file of the stage
-  function when it lives elsewhere, and the function's module and qualified name;
+* the code: a hash of the package's modules that shape executables (``shapes_executables``:
+  the ``models``, ``kernels``, ``graph`` and ``engine`` folders whole, less the engine's
+  host-side modules, and the few top-level modules those import), plus the source file of the
+  stage function when it lives anywhere else, and the function's module and qualified name.
+  Editing any other module (the server, tokenizer, scheduler, CLIs) keeps every entry;
 * what the function reads besides its arguments: the values of its closure cells when they are
   plain scalars or strings or tuples of them (shapes, dtype names), and otherwise the caller's
   ``fingerprint`` (the model runner passes the model's NNX graph definition, which holds every
@@ -96,7 +99,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import jax
@@ -114,10 +117,17 @@ SUFFIX = ".exe"
 _MAC = 32  # HMAC-SHA256 trailer
 _LENGTH = struct.Struct("<Q")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+# The package's code that can run while a stage is traced: these folders whole (a module added or
+# moved anywhere inside one stays covered) and these top-level modules, less the engine's
+# host-side modules (request bookkeeping and scheduling policy, never traced).
+EXECUTABLE_FOLDERS = ("engine", "graph", "kernels", "models")
+EXECUTABLE_MODULES = ("config.py", "parallel.py", "sampling_params.py")
+HOST_MODULES = ("engine/block_manager.py", "engine/engine.py", "engine/request.py",
+                "engine/scheduler.py", "engine/sizing_record.py", "engine/state_slots.py")
 _SIMPLE = (str, int, float, bool, type(None))
 _DIGEST_ABOVE = 96  # a description part longer than this is kept in headers as a digest
 # Readable names of the description's parts, for the message of a cache miss.
-_PART_NAMES = {"package": "package source hash", "function": "stage function or its model",
+_PART_NAMES = {"package": "executable source hash", "function": "stage function or its model",
                "args": "argument shapes", "trees": "argument tree structure",
                "outputs": "output shardings", "compiler_options": "compiler options",
                "jax": "jax version", "jaxlib": "jaxlib version", "donate": "donated arguments"}
@@ -146,14 +156,32 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def shapes_executables(relative: PurePosixPath) -> bool:
+    """Whether the package module at ``relative`` (a path under the package root) is code that
+    can run while a stage is traced, and so belongs in every key."""
+    if relative.as_posix() in HOST_MODULES:
+        return False
+    if len(relative.parts) == 1:
+        return relative.name in EXECUTABLE_MODULES
+    return relative.parts[0] in EXECUTABLE_FOLDERS
+
+
+def source_hash(root: Path) -> str:
+    """SHA-256 over the path and contents of every module under ``root`` (a copy of the package)
+    that ``shapes_executables``."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        relative = PurePosixPath(path.relative_to(root).as_posix())
+        if shapes_executables(relative):
+            digest.update(str(relative).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 @functools.cache
 def package_source_hash() -> str:
-    """SHA-256 over the path and contents of every ``.py`` file of this package."""
-    digest = hashlib.sha256()
-    for path in sorted(_PACKAGE_ROOT.rglob("*.py")):
-        digest.update(str(path.relative_to(_PACKAGE_ROOT)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    """``source_hash`` of this package."""
+    return source_hash(_PACKAGE_ROOT)
 
 
 def _plain(value: Any) -> bool:
@@ -215,13 +243,13 @@ def function_identity(fn: Callable[..., Any], fingerprint: str | None) -> str | 
     if needs_fingerprint and fingerprint is None:
         return None
     source = Path(code.co_filename).resolve()
-    in_package = _PACKAGE_ROOT in source.parents
-    source_hash = "package" if in_package else (
-        _file_digest(source) if source.is_file() else None)
-    if source_hash is None:
+    hashed = _PACKAGE_ROOT in source.parents and shapes_executables(
+        PurePosixPath(source.relative_to(_PACKAGE_ROOT).as_posix()))
+    code_hash = "package" if hashed else (_file_digest(source) if source.is_file() else None)
+    if code_hash is None:
         return None
     return "\n".join([
-        f"{target.__module__}.{target.__qualname__}", source_hash, ",".join(cells),
+        f"{target.__module__}.{target.__qualname__}", code_hash, ",".join(cells),
         fingerprint if needs_fingerprint else "",
     ])
 

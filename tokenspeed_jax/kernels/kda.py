@@ -44,7 +44,6 @@ chosen in `pallas_backend` alone.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -53,8 +52,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.kda_config import DEFAULT_CHUNK_CONFIG, ChunkConfig
 from tokenspeed_jax.kernels.kda_decode import fused_recurrent_kda, fused_recurrent_kda_pool
-from tokenspeed_jax.kernels.kda_intra import INVERSE_DOTS, SUB_BLOCK, intra_stage
+from tokenspeed_jax.kernels.kda_intra import intra_stage
 from tokenspeed_jax.kernels.kda_ref import (
     CHUNK_SIZE,
     check_pool_call,
@@ -71,30 +71,6 @@ __all__ = [
     "fused_recurrent_kda",
     "fused_recurrent_kda_pool",
 ]
-
-@dataclasses.dataclass(frozen=True)
-class ChunkConfig:
-    """Tuning knobs of the chunked prefill kernels."""
-
-    block_v: int | None = None  # V columns of state per scan program (None: `scan_blocking`)
-    diagonal_heads: int = 4  # at most this many value heads per program of the in-block pairs
-    diagonal_rows: int = 4  # chunk rows per program of the in-block pairs (divides 16)
-    diagonal_num_warps: int = 2
-    scores_num_warps: int = 2
-    solve_num_warps: int = 4
-    scan_num_warps: int = 4
-    num_stages: int | None = None  # the scan's load pipeline depth (None: `scan_blocking`)
-    scan_wave: int = 132  # scan programs run side by side at full depth (an H200's SMs)
-    inverse_dots: str = "bf16x3"  # the solve's 64 x 64 inverse products (`INVERSE_DOTS`)
-    block_inverse_dots: str = "bf16x3"  # the scores calls' 16 x 16 inverse products
-
-    def __post_init__(self):
-        if self.diagonal_rows < 1 or SUB_BLOCK % self.diagonal_rows:
-            raise ValueError(f"diagonal_rows must divide {SUB_BLOCK}, got {self.diagonal_rows}")
-        for name in (self.inverse_dots, self.block_inverse_dots):
-            if name not in INVERSE_DOTS:
-                raise ValueError(f"unknown inverse dot algorithm {name!r}; "
-                                 f"choose from {sorted(INVERSE_DOTS)}")
 
 
 def _state_scan_kernel(
@@ -291,7 +267,7 @@ def chunk_kda_prefill(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
-    config: ChunkConfig = ChunkConfig(),
+    config: ChunkConfig = DEFAULT_CHUNK_CONFIG,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA over a packed bucket of requests, states in a donated pool.

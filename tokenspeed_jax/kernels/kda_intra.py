@@ -68,7 +68,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -76,22 +75,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.kda_config import INVERSE_DOTS, SUB_BLOCK, ChunkConfig
 from tokenspeed_jax.kernels.kda_ref import l2_normalize
 from tokenspeed_jax.kernels.kernel_math import dot, dot_nt
 
-if TYPE_CHECKING:
-    from tokenspeed_jax.kernels.kda import ChunkConfig
-
-SUB_BLOCK = 16  # rows sharing one decay reference point; also Triton's smallest dot tile
 LOG2_E = 1.4426950408889634
 COLUMN_SLICE = 64  # key or value columns per wide dot
 NEAR_DECAY = 64.0  # a block's in-block log decay below which its pairs go through one row
-INVERSE_DOTS = {  # ChunkConfig's names for the inverses' dot algorithms (bf16 inputs on a GPU)
-    "fp32": lax.Precision.HIGHEST,  # fp32 FMAs
-    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-    "bf16x3": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
-    "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
-}
 
 
 def decay(log_decay):

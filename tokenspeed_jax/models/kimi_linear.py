@@ -19,7 +19,12 @@ Invariants:
 
 * The config is read from the checkpoint's config.json: ``linear_attn_config`` lists 1-indexed
   ``kda_layers`` and ``full_attn_layers`` that must partition the layers; MLA must be NoPE
-  (``mla_use_nope: true``, the only form the reference implements) with as many KV heads as heads.
+  (``mla_use_nope: true``, or the key absent as in configs transformers writes, whose
+  implementation has only that form) with as many KV heads as heads.
+* The config.json may also be the one transformers' ``KimiLinearConfig`` writes (``layer_types``,
+  ``linear_*`` and ``mlp_layer_types`` instead of ``linear_attn_config`` and
+  ``first_k_dense_replace``), and its weights name a dense layer's MLP ``block_sparse_moe.``:
+  ``checkpoint_name`` renames that to the checkpoint's ``mlp.`` before anything else reads it.
 * ``hf_weight_map`` is the one place that converts checkpoint names and ``[out, in]`` layouts;
   per-expert tensors (``block_sparse_moe.experts.<e>.w{1,2,3}``) are stacked into ``[E, ...]``.
   ``build_kimi_model`` checks both directions (unused tensor, unfilled parameter) like the
@@ -33,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -126,19 +132,11 @@ class KimiLinearConfig:
         if config.get("model_type") != MODEL_TYPE:
             raise ValueError(f"model_type={config.get('model_type')!r} is not {MODEL_TYPE!r}")
         layers = int(config["num_hidden_layers"])
-        linear = config.get("linear_attn_config") or {}
-        kda_layers = [int(i) for i in linear.get("kda_layers", ())]
-        full_layers = [int(i) for i in linear.get("full_attn_layers", ())]
-        if sorted(kda_layers + full_layers) != list(range(1, layers + 1)):
-            raise ValueError(
-                f"linear_attn_config kda_layers={kda_layers} and full_attn_layers={full_layers} "
-                f"must partition the 1-indexed layers 1..{layers}")
-        types = [KDA] * layers
-        for index in full_layers:
-            types[index - 1] = MLA
-        if full_layers and not config.get("mla_use_nope", False):
-            raise ValueError("mla_use_nope=false (rotary MLA) is not supported; Kimi-Linear "
-                             "checkpoints use NoPE MLA")
+        types, linear = _layer_kinds(config, layers)
+        use_nope = config.get("mla_use_nope", True)  # absent: transformers' NoPE-only form
+        if MLA in types and use_nope is not True:
+            raise ValueError(f"mla_use_nope={use_nope!r} is not supported: only NoPE MLA is "
+                             "(mla_use_nope true or absent), rotary MLA is not")
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         if kv_heads != heads:
@@ -164,11 +162,11 @@ class KimiLinearConfig:
             qk_nope_head_dim=int(config["qk_nope_head_dim"]),
             qk_rope_head_dim=int(config["qk_rope_head_dim"]),
             v_head_dim=int(config["v_head_dim"]),
-            layer_types=tuple(types),
+            layer_types=types,
             linear_num_heads=int(linear.get("num_heads", heads)),
             linear_head_dim=int(linear["head_dim"]),
             conv_kernel_size=int(linear.get("short_conv_kernel_size", 4)),
-            first_k_dense_replace=int(config.get("first_k_dense_replace", 1)),
+            first_k_dense_replace=_dense_layers(config),
             num_experts=int(config["num_experts"]),
             num_experts_per_token=int(config["num_experts_per_token"]),
             num_shared_experts=int(config.get("num_shared_experts", 1)),
@@ -193,6 +191,49 @@ class KimiLinearConfig:
                 "num_heads": self.linear_num_heads, "head_dim": self.linear_head_dim,
                 "short_conv_kernel_size": self.conv_kernel_size})
         return out
+
+
+# transformers' names for the layer kinds in ``layer_types`` and ``mlp_layer_types``
+HF_LAYER_KINDS = {"linear_attention": KDA, "full_attention": MLA}
+HF_DENSE, HF_SPARSE = "dense", "sparse"
+
+
+def _layer_kinds(config: Mapping[str, Any], layers: int) -> tuple[tuple[str, ...], dict]:
+    """Each layer's token mixer and the KDA shape (``linear_attn_config``'s keys), from either
+    form of config.json: the checkpoint's own ``linear_attn_config`` (1-indexed ``kda_layers``
+    and ``full_attn_layers``), or, when it is absent, the ``layer_types`` and ``linear_*`` keys
+    that transformers' ``KimiLinearConfig`` writes."""
+    linear = config.get("linear_attn_config")
+    if linear is None and "layer_types" in config:
+        names = list(config["layer_types"])
+        if len(names) != layers or not set(names) <= set(HF_LAYER_KINDS):
+            raise ValueError(f"layer_types={names} must give one of {sorted(HF_LAYER_KINDS)} "
+                             f"for each of num_hidden_layers={layers} layers")
+        kinds = tuple(HF_LAYER_KINDS[name] for name in names)
+        return kinds, {"num_heads": config["linear_num_heads"],
+                       "head_dim": config["linear_head_dim"],
+                       "short_conv_kernel_size": config.get("linear_conv_kernel_dim", 4)}
+    linear = linear or {}
+    kda_layers = [int(i) for i in linear.get("kda_layers", ())]
+    full_layers = [int(i) for i in linear.get("full_attn_layers", ())]
+    if sorted(kda_layers + full_layers) != list(range(1, layers + 1)):
+        raise ValueError(
+            f"linear_attn_config kda_layers={kda_layers} and full_attn_layers={full_layers} "
+            f"must partition the 1-indexed layers 1..{layers}")
+    return tuple(MLA if i in full_layers else KDA for i in range(1, layers + 1)), linear
+
+
+def _dense_layers(config: Mapping[str, Any]) -> int:
+    """How many leading layers have a dense MLP: ``first_k_dense_replace``, or the leading
+    ``dense`` entries of transformers' ``mlp_layer_types`` (every later one ``sparse``)."""
+    if "first_k_dense_replace" in config or "mlp_layer_types" not in config:
+        return int(config.get("first_k_dense_replace", 1))
+    kinds = list(config["mlp_layer_types"])
+    dense = next((i for i, kind in enumerate(kinds) if kind != HF_DENSE), len(kinds))
+    if any(kind != HF_SPARSE for kind in kinds[dense:]):
+        raise ValueError(f"mlp_layer_types={kinds} is not supported: dense layers, then only "
+                         "sparse ones")
+    return dense
 
 
 class KimiDecoderLayer(nnx.Module):
@@ -446,6 +487,19 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
     return mapping
 
 
+_HF_DENSE_MLP = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.((gate|up|down)_proj\.weight)")
+
+
+def checkpoint_name(name: str, config: KimiLinearConfig) -> str:
+    """``name`` as the checkpoint's own format spells it. transformers writes a dense layer's MLP
+    under ``block_sparse_moe.`` (its save undoes its load's renaming of every ``block_sparse_moe.``
+    to ``mlp.``), where the checkpoint has ``mlp.``; every other name is the same in both."""
+    match = _HF_DENSE_MLP.fullmatch(name)
+    if match and int(match[1]) < config.first_k_dense_replace:
+        return f"model.layers.{match[1]}.mlp.{match[2]}"
+    return name
+
+
 def abstract_kimi_model(config: KimiLinearConfig, dtype: Any) -> KimiLinearForCausalLM:
     """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
     return nnx.eval_shape(
@@ -465,6 +519,7 @@ def build_kimi_model(
     if mesh is not None:
         parallel.check_kimi(config, mesh.size)
     graphdef, state = nnx.split(abstract_kimi_model(config, dtype))
+    tensors = ((checkpoint_name(name, config), array) for name, array in tensors)
     hf_checkpoint.fill_state(state, kimi_weight_map(config), tensors, source=source,
                              model_type=MODEL_TYPE,
                              ignored=lambda name: name.endswith("rotary_emb.inv_freq"),

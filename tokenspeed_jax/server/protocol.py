@@ -210,8 +210,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(BaseModel):
-    """Both the full response and each streamed chunk (OpenAI uses one shape for both)."""
+class TextCompletion(BaseModel):
+    """A ``text_completion`` object: both the full response and each streamed chunk (OpenAI uses
+    one shape for both). Named apart from ``tokenspeed_jax.Completion``, what ``LLM`` returns."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"

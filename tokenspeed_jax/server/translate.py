@@ -14,7 +14,8 @@ from typing import Protocol
 
 import jinja2
 
-from tokenspeed_jax.engine.request import RequestOutput, TokenLogprob
+from tokenspeed_jax.engine.request import RequestOutput
+from tokenspeed_jax.outputs import TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.server.errors import APIError
 from tokenspeed_jax.server.protocol import (
@@ -27,10 +28,10 @@ from tokenspeed_jax.server.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
-    Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    TextCompletion,
     TopLogprob,
     Usage,
 )
@@ -252,11 +253,11 @@ class CompletionFormatter(_Base):
             logprobs=self.logprobs(output.logprobs, 0) if output.logprobs else None,
             finish_reason=output.finish_reason,
         )
-        return Completion(id=self.id, model=self.model, choices=[choice]).model_dump()
+        return TextCompletion(id=self.id, model=self.model, choices=[choice]).model_dump()
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return Completion(id=self.id, model=self.model, choices=[],
-                          usage=_usage(prompt_tokens, completion_tokens)).model_dump()
+        return TextCompletion(id=self.id, model=self.model, choices=[],
+                              usage=_usage(prompt_tokens, completion_tokens)).model_dump()
 
     def full(self, outputs: dict[int, list[RequestOutput]], prompt_tokens: int) -> dict:
         choices = []
@@ -268,5 +269,5 @@ class CompletionFormatter(_Base):
                 logprobs=self.logprobs(entries, 0) if any(o.logprobs for o in outs) else None,
                 finish_reason=outs[-1].finish_reason if outs else "abort",
             ))
-        return Completion(id=self.id, model=self.model, choices=choices,
-                          usage=_usage(prompt_tokens, _completion_tokens(outputs))).model_dump()
+        return TextCompletion(id=self.id, model=self.model, choices=choices,
+                              usage=_usage(prompt_tokens, _completion_tokens(outputs))).model_dump()
