@@ -2,7 +2,7 @@
 
 Run by hand, never by CI (CI has no torch); the tests only read the files this writes:
 
-    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi]
+    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi|deepseek_v3]
 
 - ``llama``: tiny random-weight HF checkpoints (``tiny_llama/``, ``tiny_qwen3/``, ``tiny_tied/``),
   each a complete HF model directory with its own trained byte-level BPE tokenizer, plus
@@ -14,6 +14,9 @@ Run by hand, never by CI (CI has no torch); the tests only read the files this w
 - ``kimi``: ``tiny_kimi*/`` Kimi-Linear checkpoints in the checkpoint's own format and
   ``tiny_kimi*.npz`` with transformers' pure-torch logits, greedy tokens and the logits of each
   greedy step (``golden_kimi``).
+- ``deepseek_v3``: ``tiny_deepseek_v3/``, a DeepSeek-V3 checkpoint under the published tensor names
+  (yarn rope, q-LoRA, grouped routing), and ``tiny_deepseek_v3.npz`` with transformers' logits and
+  greedy continuations of three prompts of different lengths (``golden_deepseek_v3``).
 
 Every run is deterministic (fixed torch seeds, CPU, fp32) and checks each file after writing it.
 
@@ -34,7 +37,7 @@ import pathlib
 import sys
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "golden"
-TARGETS = ("all", "llama", "smollm2", "kda", "kimi")
+TARGETS = ("all", "llama", "smollm2", "kda", "kimi", "deepseek_v3")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
         import golden_kimi
 
         golden_kimi.write_all(GOLDEN_DIR)
+    if args.target in ("all", "deepseek_v3"):
+        import golden_deepseek_v3
+
+        golden_deepseek_v3.write(GOLDEN_DIR)
 
 
 if __name__ == "__main__":

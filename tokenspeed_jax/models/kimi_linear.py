@@ -53,7 +53,11 @@ from tokenspeed_jax.models.kimi_linear_layers import (
     kda_core,
 )
 from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm
-from tokenspeed_jax.models.mla import MultiLatentAttention, latent_attention
+from tokenspeed_jax.models.mla import (
+    MultiLatentAttention,
+    latent_attention,
+    mla_weight_entries,
+)
 from tokenspeed_jax.models.moe import KimiMoE, SwiGLU
 
 MODEL_TYPE = "kimi_linear"
@@ -400,27 +404,9 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
                 attn + "o_proj.weight": (at + ("o_proj",), (d, h * k), heads_out(h, k)),
             })
         else:
-            qk = nope + rope
-            if q_rank is None:
-                entries[attn + "q_proj.weight"] = (at + ("q_proj",), (heads * qk, d),
-                                                   heads_in(heads, qk, d))
-            else:
-                entries.update({
-                    attn + "q_a_proj.weight": (at + ("q_a_proj",), (q_rank, d), _t),
-                    attn + "q_a_layernorm.weight": (at + ("q_a_layernorm", "weight"), (q_rank,),
-                                                    _same),
-                    attn + "q_b_proj.weight": (at + ("q_b_proj",), (heads * qk, q_rank),
-                                               heads_in(heads, qk, q_rank)),
-                })
-            entries.update({
-                attn + "kv_a_proj_with_mqa.weight": (at + ("kv_a_proj",), (rank + rope, d), _t),
-                attn + "kv_a_layernorm.weight": (at + ("kv_a_layernorm", "weight"), (rank,),
-                                                 _same),
-                attn + "kv_b_proj.weight": (at + ("kv_b_proj",), (heads * (nope + v_dim), rank),
-                                            heads_in(heads, nope + v_dim, rank)),
-                attn + "o_proj.weight": (at + ("o_proj",), (d, heads * v_dim),
-                                         heads_out(heads, v_dim)),
-            })
+            entries.update(mla_weight_entries(
+                attn, at, hidden=d, num_heads=heads, q_lora_rank=q_rank, kv_lora_rank=rank,
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim))
         if i < config.first_k_dense_replace:
             f, mlp, mp = config.intermediate_size, hf + "mlp.", path + ("mlp",)
         else:
