@@ -35,7 +35,7 @@ import functools
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -214,11 +214,7 @@ class KimiDecoderLayer(nnx.Module):
                 d, num_heads=config.linear_num_heads, head_dim=config.linear_head_dim,
                 conv_size=config.conv_kernel_size, norm_eps=config.rms_norm_eps, rngs=rngs, **kw)
         else:
-            self.self_attn = MultiLatentAttention(
-                d, num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-                kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-                qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                rngs=rngs, **kw)
+            self.self_attn = MultiLatentAttention.from_config(config, rngs=rngs, **kw)
         if index < config.first_k_dense_replace:
             self.mlp = SwiGLU(d, config.intermediate_size, rngs=rngs, **kw)
         else:
@@ -341,14 +337,7 @@ class KimiLinearForCausalLM(CausalLMBase):
         return kimi_weight_map(config)
 
 
-class KimiWeight(NamedTuple):
-    """Where one checkpoint tensor goes: state path, checkpoint shape, layout change, and for a
-    per-expert tensor its row in the stacked ``[E, ...]`` parameter."""
-
-    path: tuple[str | int, ...]
-    hf_shape: tuple[int, ...]
-    transform: Any
-    expert: int | None = None
+KimiWeight = hf_checkpoint.WeightEntry
 
 
 def _t(w: np.ndarray) -> np.ndarray:
@@ -363,8 +352,6 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
     """See ``KimiLinearForCausalLM.hf_weight_map``."""
     d, vocab = config.hidden_size, config.vocab_size
     h, k, width = config.linear_num_heads, config.linear_head_dim, config.conv_kernel_size
-    heads, nope, rope = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
-    v_dim, rank, q_rank = config.v_head_dim, config.kv_lora_rank, config.q_lora_rank
 
     def heads_in(n: int, dh: int, inner: int):  # [n*dh, inner] -> [inner, n, dh]
         return lambda w: w.reshape(n, dh, inner).transpose(2, 0, 1)
@@ -404,9 +391,7 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
                 attn + "o_proj.weight": (at + ("o_proj",), (d, h * k), heads_out(h, k)),
             })
         else:
-            entries.update(mla_weight_entries(
-                attn, at, hidden=d, num_heads=heads, q_lora_rank=q_rank, kv_lora_rank=rank,
-                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim))
+            entries.update(mla_weight_entries(attn, at, config))
         if i < config.first_k_dense_replace:
             f, mlp, mp = config.intermediate_size, hf + "mlp.", path + ("mlp",)
         else:

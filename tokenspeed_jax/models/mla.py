@@ -88,6 +88,18 @@ class MultiLatentAttention(nnx.Module):
         self.dtype = dtype
         self.scale = qk_dim ** -0.5
 
+    @classmethod
+    def from_config(cls, config: Any, *, dtype: Any, param_dtype: Any,
+                    rngs: nnx.Rngs) -> MultiLatentAttention:
+        """Sized by a model config's ``hidden_size``, ``num_attention_heads``, ``q_lora_rank``,
+        ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` (the names
+        of the checkpoints' config.json)."""
+        return cls(config.hidden_size, num_heads=config.num_attention_heads,
+                   q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+                   qk_nope_head_dim=config.qk_nope_head_dim,
+                   qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
     def inputs(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None = None
                ) -> tuple[jax.Array, jax.Array]:
         """Normed hidden [..., T, D] -> (absorbed query [..., T, H, R + r], latent row
@@ -123,24 +135,16 @@ def deinterleave(n: int) -> np.ndarray:
 
 
 def mla_weight_entries(
-    prefix: str,
-    path: tuple[str | int, ...],
-    *,
-    hidden: int,
-    num_heads: int,
-    q_lora_rank: int | None,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    qk_rope_head_dim: int,
-    v_head_dim: int,
-    rope_interleave: bool = False,
+    prefix: str, path: tuple[str | int, ...], config: Any, *, rope_interleave: bool = False
 ) -> dict[str, tuple[tuple[str | int, ...], tuple[int, ...], Any]]:
     """Checkpoint name -> (state path, checkpoint shape, layout change) of one attention block:
-    names under ``prefix`` (e.g. ``model.layers.3.self_attn.``), paths under ``path``."""
-    d, heads, rank, rope = hidden, num_heads, kv_lora_rank, qk_rope_head_dim
-    qk, kv_dim = qk_nope_head_dim + rope, qk_nope_head_dim + v_head_dim
-    q_order = np.r_[np.arange(qk_nope_head_dim),
-                    qk_nope_head_dim + (deinterleave(rope) if rope_interleave else np.arange(rope))]
+    names under ``prefix`` (e.g. ``model.layers.3.self_attn.``), paths under ``path``; the sizes
+    are ``config``'s (``MultiLatentAttention.from_config``)."""
+    d, heads, q_lora_rank = config.hidden_size, config.num_attention_heads, config.q_lora_rank
+    rank, rope, nope = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim
+    qk, kv_dim, v_head_dim = nope + rope, nope + config.v_head_dim, config.v_head_dim
+    q_order = np.r_[np.arange(nope), nope + (deinterleave(rope) if rope_interleave
+                                             else np.arange(rope))]
     kv_order = np.r_[np.arange(rank), rank + (deinterleave(rope) if rope_interleave
                                               else np.arange(rope))]
 

@@ -101,6 +101,15 @@ class DeepseekV3Config:
         """Width of one latent cache row: kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def router_settings(self) -> dict[str, Any]:
+        """The routed experts' settings under ``moe.KimiMoE``'s argument names (the same router:
+        sigmoid scores, corrected choice, grouped top-k, renormalised and scaled weights)."""
+        return {"num_experts": self.n_routed_experts, "top_k": self.num_experts_per_tok,
+                "num_groups": self.n_group, "topk_groups": self.topk_group,
+                "num_shared": self.n_shared_experts, "renormalize": self.norm_topk_prob,
+                "scaling": self.routed_scaling_factor}
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DeepseekV3Config:
         """Build from a checkpoint config.json dict (see the module invariants)."""

@@ -59,21 +59,13 @@ class DeepseekV3DecoderLayer(nnx.Module):
         d = config.hidden_size
         kw = {"dtype": dtype, "param_dtype": param_dtype}
         self.input_layernorm = RMSNorm(d, eps=config.rms_norm_eps, **kw)
-        self.self_attn = MultiLatentAttention(
-            d, num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rngs=rngs,
-            **kw)
+        self.self_attn = MultiLatentAttention.from_config(config, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(d, eps=config.rms_norm_eps, **kw)
         if index < config.first_k_dense_replace:
             self.mlp = SwiGLU(d, config.intermediate_size, rngs=rngs, **kw)
         else:
-            self.mlp = KimiMoE(
-                d, config.moe_intermediate_size, num_experts=config.n_routed_experts,
-                top_k=config.num_experts_per_tok, num_groups=config.n_group,
-                topk_groups=config.topk_group, num_shared=config.n_shared_experts,
-                renormalize=config.norm_topk_prob, scaling=config.routed_scaling_factor,
-                rngs=rngs, **kw)
+            self.mlp = KimiMoE(d, config.moe_intermediate_size, **config.router_settings,
+                               rngs=rngs, **kw)
         self.dtype = dtype
 
     def attention_inputs(self, hidden: jax.Array, rope: Tables) -> tuple[jax.Array, jax.Array]:

@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,21 +29,12 @@ from flax import nnx
 from tokenspeed_jax.models import hf_checkpoint
 from tokenspeed_jax.models.deepseek_v3.config import DeepseekV3Config
 from tokenspeed_jax.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from tokenspeed_jax.models.hf_checkpoint import WeightEntry as Weight
 from tokenspeed_jax.models.mla import mla_weight_entries
 
 logger = logging.getLogger(__name__)
 LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 EXPERT_PROJECTIONS = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
-
-
-class Weight(NamedTuple):
-    """Where one checkpoint tensor goes: state path, checkpoint shape, layout change, and for a
-    per-expert tensor its row in the stacked ``[E, ...]`` parameter."""
-
-    path: tuple[str | int, ...]
-    hf_shape: tuple[int, ...]
-    transform: Any
-    expert: int | None = None
 
 
 def _swiglu_entries(prefix: str, path: tuple, hidden: int, inner: int) -> dict[str, Weight]:
@@ -67,12 +58,8 @@ def hf_weight_map(config: DeepseekV3Config) -> dict[str, Weight]:
         hf, path = f"model.layers.{i}.", ("layers", i)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             mapping[hf + norm + ".weight"] = Weight(path + (norm, "weight"), (d,), np.asarray)
-        attention = mla_weight_entries(
-            hf + "self_attn.", path + ("self_attn",), hidden=d,
-            num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-            rope_interleave=config.rope_interleave)
+        attention = mla_weight_entries(hf + "self_attn.", path + ("self_attn",), config,
+                                       rope_interleave=config.rope_interleave)
         mapping.update({name: Weight(*entry) for name, entry in attention.items()})
         mlp, mp = hf + "mlp.", path + ("mlp",)
         if i < config.first_k_dense_replace:
