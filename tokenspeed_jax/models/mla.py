@@ -143,10 +143,9 @@ def mla_weight_entries(
     d, heads, q_lora_rank = config.hidden_size, config.num_attention_heads, config.q_lora_rank
     rank, rope, nope = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim
     qk, kv_dim, v_head_dim = nope + rope, nope + config.v_head_dim, config.v_head_dim
-    q_order = np.r_[np.arange(nope), nope + (deinterleave(rope) if rope_interleave
-                                             else np.arange(rope))]
-    kv_order = np.r_[np.arange(rank), rank + (deinterleave(rope) if rope_interleave
-                                              else np.arange(rope))]
+    rope_order = deinterleave(rope) if rope_interleave else np.arange(rope)
+    q_order = np.r_[np.arange(nope), nope + rope_order]
+    kv_order = np.r_[np.arange(rank), rank + rope_order]
 
     def query(inner: int):  # [H * (n + r), inner] -> [inner, H, n + r], rope part reordered
         return lambda w: w.reshape(heads, qk, inner)[:, q_order].transpose(2, 0, 1)
