@@ -1,25 +1,25 @@
-"""A tiny random-weight DeepSeek-V3 checkpoint and transformers' logits and greedy tokens for it.
+"""Tiny random-weight DeepSeek-V3 checkpoints and transformers' logits and greedy tokens for them.
 
-Writes, under the golden directory:
+Writes, under the golden directory, for each tiny config (``CONFIGS``):
 
-- ``tiny_deepseek_v3/``: config.json in the published checkpoints' own format (``rope_theta`` at
+- ``<name>/``: config.json in the published checkpoints' own format (``rope_theta`` at
   the top level, yarn in ``rope_scaling``), model.safetensors under the published tensor names
   (``self_attn.kv_a_proj_with_mqa``, ``mlp.experts.<e>.gate_proj``, ``mlp.gate.weight``,
   ``mlp.gate.e_score_correction_bias``, ...), and ``tiny_llama``'s tokenizer files. transformers
   fuses the per-expert tensors on load; the script checks that ``from_pretrained`` fills every
   parameter with exactly the saved values.
-- ``tiny_deepseek_v3.npz``: for each prompt ``i`` of ``PROMPTS`` (different lengths, each run
+- ``<name>.npz``: for each prompt ``i`` of ``PROMPTS`` (different lengths, each run
   alone, no padding): ``prompt_ids_<i>`` int32 [T] (BOS first), ``logits_<i>`` float32 [T, V] of
   one fp32 eager forward, ``greedy_ids_<i>`` int32 [N], the tokens ``generate(do_sample=False)``
   appends through transformers' own cache, ``greedy_logits_<i>`` float32 [N, V], the logits each
   was picked from, and ``greedy_margin_<i>`` float32 [N], top-1 minus top-2 at each step (a seed
   with a margin under ``MIN_GREEDY_MARGIN``, or a greedy path with EOS, is rejected).
 
-The config exercises what the family must get right: three layers (one dense, two MoE), q-LoRA,
+``tiny_deepseek_v3`` exercises what the family must get right: three layers (one dense, two MoE), q-LoRA,
 ``rope_interleave``, yarn with ``mscale != mscale_all_dim`` (so both the cos/sin attention factor
 and the softmax-scale mscale differ from one) and positions past ``original_max_position_
 embeddings``, ``n_group=4`` with ``topk_group=2``, a nonzero ``e_score_correction_bias``,
-``v_head_dim != qk_nope_head_dim``. Run with the golden venv (``scripts/make_golden.py
+``v_head_dim != qk_nope_head_dim``; ``tiny_deepseek_v3_plain`` the other branches. Run with the golden venv (``scripts/make_golden.py
 deepseek_v3``).
 """
 
@@ -32,7 +32,6 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
-NAME = "tiny_deepseek_v3"
 TOKENIZER_FROM = "tiny_llama"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROMPTS = (
@@ -99,6 +98,19 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 
+CONFIGS = {
+    "tiny_deepseek_v3": CONFIG,
+    # The other branches: a plain query projection, rope without scaling or interleaving, MoE from
+    # the first layer, one expert group, weights not renormalised.
+    "tiny_deepseek_v3_plain": {
+        **{k: v for k, v in CONFIG.items() if k != "rope_scaling"},
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "q_lora_rank": None, "n_routed_experts": 4,
+        "moe_intermediate_size": 16, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "n_shared_experts": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.5,
+        "first_k_dense_replace": 0, "rope_interleave": False},
+}
+
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Random weights everywhere: norm weights near one, a nonzero router correction bias."""
@@ -131,17 +143,18 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_dir(directory: pathlib.Path, golden_dir: pathlib.Path) -> None:
+def _write_dir(directory: pathlib.Path, config: dict, golden_dir: pathlib.Path) -> None:
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for file in TOKENIZER_FILES:
         shutil.copy(golden_dir / TOKENIZER_FROM / file, directory / file)
 
 
-def _check_reload(directory: pathlib.Path, original: torch.nn.Module) -> torch.nn.Module:
-    """Load with transformers' own loader; every weight must equal the original's and the yarn
+def _check_reload(directory: pathlib.Path, config: dict,
+                  original: torch.nn.Module) -> torch.nn.Module:
+    """Load with transformers' own loader; every weight must equal the original's and the rope
     settings must come through."""
     model, info = DeepseekV3ForCausalLM.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
@@ -152,8 +165,9 @@ def _check_reload(directory: pathlib.Path, original: torch.nn.Module) -> torch.n
     for name, tensor in original.state_dict().items():
         if not torch.equal(reloaded[name], tensor):
             raise RuntimeError(f"{directory}: {name} differs after reload")
-    rope = model.config.rope_parameters
-    if rope.get("rope_type") != "yarn" or rope.get("mscale_all_dim") != 0.8:
+    rope, scaling = model.config.rope_parameters, config.get("rope_scaling") or {}
+    if (rope.get("rope_type") != scaling.get("type", "default")
+            or rope.get("mscale_all_dim") != scaling.get("mscale_all_dim")):
         raise RuntimeError(f"{directory}: rope reloads as {rope}")
     return model.eval()
 
@@ -184,46 +198,51 @@ def _reference(model: torch.nn.Module, prompt: np.ndarray) -> dict[str, np.ndarr
 
 
 def write(golden_dir: pathlib.Path) -> None:
-    directory = golden_dir / NAME
+    for name, config in CONFIGS.items():
+        write_model(name, config, golden_dir)
+
+
+def write_model(name: str, config: dict, golden_dir: pathlib.Path) -> None:
+    directory = golden_dir / name
     for seed in range(MAX_SEED_TRIES):
         torch.manual_seed(seed)
-        _write_dir(directory, golden_dir)
+        _write_dir(directory, config, golden_dir)
         original = DeepseekV3ForCausalLM(AutoConfig.from_pretrained(directory)).eval()
         _randomize(original, seed)
         save_file(checkpoint_tensors(original), str(directory / "model.safetensors"),
                   metadata={"format": "pt"})
-        model = _check_reload(directory, original)
+        model = _check_reload(directory, config, original)
         prompts = _prompt_ids(directory)
         results = [_reference(model, prompt) for prompt in prompts]
         if all(result is not None for result in results):
             break
     else:
-        raise RuntimeError(f"{NAME}: no seed in {MAX_SEED_TRIES} gives clean greedy paths")
+        raise RuntimeError(f"{name}: no seed in {MAX_SEED_TRIES} gives clean greedy paths")
     arrays = {}
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         arrays[f"prompt_ids_{i}"] = prompt
         arrays.update({f"{key}_{i}": value for key, value in result.items()})
-    np.savez(golden_dir / f"{NAME}.npz", **arrays)
+    np.savez(golden_dir / f"{name}.npz", **arrays)
     size = sum(p.stat().st_size for p in directory.rglob("*")) + (
-        golden_dir / f"{NAME}.npz").stat().st_size
+        golden_dir / f"{name}.npz").stat().st_size
     if size > MAX_GOLDEN_BYTES:
-        raise RuntimeError(f"{NAME}: golden files take {size} bytes, over {MAX_GOLDEN_BYTES}")
-    print(f"{NAME}: seed {seed}, {size} bytes, prompt lengths {[len(p) for p in prompts]}")
-    check(golden_dir)
+        raise RuntimeError(f"{name}: golden files take {size} bytes, over {MAX_GOLDEN_BYTES}")
+    print(f"{name}: seed {seed}, {size} bytes, prompt lengths {[len(p) for p in prompts]}")
+    check(name, golden_dir)
 
 
-def check(golden_dir: pathlib.Path) -> None:
+def check(name: str, golden_dir: pathlib.Path) -> None:
     """Re-run the saved checkpoint and compare with the saved golden arrays."""
-    data = np.load(golden_dir / f"{NAME}.npz")
+    data = np.load(golden_dir / f"{name}.npz")
     model = DeepseekV3ForCausalLM.from_pretrained(
-        golden_dir / NAME, dtype=torch.float32, attn_implementation="eager").eval()
+        golden_dir / name, dtype=torch.float32, attn_implementation="eager").eval()
     for i in range(len(PROMPTS)):
         with torch.no_grad():
             logits = model(torch.from_numpy(data[f"prompt_ids_{i}"]).long()[None]).logits[0]
         if not np.allclose(logits.numpy(), data[f"logits_{i}"], atol=1e-5, rtol=1e-5):
-            raise RuntimeError(f"{NAME}: logits of prompt {i} do not reproduce")
+            raise RuntimeError(f"{name}: logits of prompt {i} do not reproduce")
         if not np.array_equal(data[f"greedy_logits_{i}"].argmax(-1), data[f"greedy_ids_{i}"]):
-            raise RuntimeError(f"{NAME}: greedy_logits_{i} do not pick greedy_ids_{i}")
+            raise RuntimeError(f"{name}: greedy_logits_{i} do not pick greedy_ids_{i}")
 
 
 if __name__ == "__main__":

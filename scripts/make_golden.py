@@ -14,9 +14,10 @@ Run by hand, never by CI (CI has no torch); the tests only read the files this w
 - ``kimi``: ``tiny_kimi*/`` Kimi-Linear checkpoints in the checkpoint's own format and
   ``tiny_kimi*.npz`` with transformers' pure-torch logits, greedy tokens and the logits of each
   greedy step (``golden_kimi``).
-- ``deepseek_v3``: ``tiny_deepseek_v3/``, a DeepSeek-V3 checkpoint under the published tensor names
-  (yarn rope, q-LoRA, grouped routing), and ``tiny_deepseek_v3.npz`` with transformers' logits and
-  greedy continuations of three prompts of different lengths (``golden_deepseek_v3``).
+- ``deepseek_v3``: ``tiny_deepseek_v3*/``, DeepSeek-V3 checkpoints under the published tensor
+  names (one with yarn rope, q-LoRA and grouped routing, one with the other branches), and
+  ``tiny_deepseek_v3*.npz`` with transformers' logits and greedy continuations of three prompts of
+  different lengths (``golden_deepseek_v3``).
 
 Every run is deterministic (fixed torch seeds, CPU, fp32) and checks each file after writing it.
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3 model numerics against HF transformers' DeepseekV3ForCausalLM (golden files from
-``scripts/golden_deepseek_v3.py``: yarn rope with interleaved rotary features, q-LoRA, grouped
-top-k routing, one dense and two MoE layers): each prompt alone, prompts batched with padding in the
+``scripts/golden_deepseek_v3.py``: ``tiny_deepseek_v3`` with yarn rope on interleaved rotary
+features, q-LoRA, grouped top-k routing, one dense and two MoE layers; ``tiny_deepseek_v3_plain``
+with the other branches): each prompt alone, prompts batched with padding in the
 reference forward, and packed into one paged prefill followed by batched paged decode. Also the
 config's refusals and the checkpoint checks (a missing tensor; multi-token prediction layers)."""
 
@@ -26,7 +27,8 @@ from tokenspeed_jax.models.deepseek_v3 import (
 from tokenspeed_jax.models.mla import deinterleave
 
 GOLDEN = Path(__file__).parent / "golden"
-CHECKPOINT = GOLDEN / "tiny_deepseek_v3"
+NAMES = ("tiny_deepseek_v3", "tiny_deepseek_v3_plain")
+CHECKPOINT = GOLDEN / NAMES[0]
 MAX_REL_ERR = 1e-4  # fp32 end to end; the absorbed MLA and grouped experts only reorder sums
 PAGE = 4
 CACHE_SLOTS = 96
@@ -46,10 +48,10 @@ def jitted(model, method: str):
     return lambda *args: run(state, *args)
 
 
-@pytest.fixture(scope="module")
-def golden():
-    config, model = load_hf(CHECKPOINT)
-    data = dict(np.load(GOLDEN / "tiny_deepseek_v3.npz"))
+@pytest.fixture(scope="module", params=NAMES)
+def golden(request):
+    config, model = load_hf(GOLDEN / request.param)
+    data = dict(np.load(GOLDEN / f"{request.param}.npz"))
     prompts = [data[f"prompt_ids_{i}"] for i in range(3)]
     return config, model, data, prompts
 
@@ -205,10 +207,10 @@ def prompt_logits(model, config, prompt: np.ndarray) -> np.ndarray:
     return np.asarray(logits[0])
 
 
-def test_rope_interleave_false_reads_rotate_half_features(golden, tmp_path):
+def test_rope_interleave_false_reads_rotate_half_features(tmp_path):
     """The same checkpoint with its rope rows stored evens-then-odds and ``rope_interleave:
     false`` is the same model: it must give transformers' logits too."""
-    _, _, data, prompts = golden
+    data = np.load(GOLDEN / f"{NAMES[0]}.npz")
     raw = raw_config()
     rope, nope, rank = raw["qk_rope_head_dim"], raw["qk_nope_head_dim"], raw["kv_lora_rank"]
     qk = nope + rope
@@ -224,7 +226,8 @@ def test_rope_interleave_false_reads_rotate_half_features(golden, tmp_path):
                 np.concatenate([w[:rank], w[rank:][deinterleave(rope)]]))
     copy_checkpoint(tmp_path, {"rope_interleave": False}, tensors)
     config, model = load_hf(tmp_path)
-    assert rel_err(prompt_logits(model, config, prompts[0]), data["logits_0"]) < MAX_REL_ERR
+    assert rel_err(prompt_logits(model, config, data["prompt_ids_0"]),
+                   data["logits_0"]) < MAX_REL_ERR
 
 
 def test_checkpoint_with_a_missing_tensor_is_rejected(tmp_path):
@@ -251,17 +254,17 @@ def with_mtp_layer(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {**tensors, **mtp}
 
 
-def test_multi_token_prediction_layers_are_skipped_with_a_log_line(golden, tmp_path, caplog):
-    _, model, _, _ = golden
+def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, caplog):
+    _, model = load_hf(CHECKPOINT)
     tensors = with_mtp_layer(load_file(CHECKPOINT / "model.safetensors"))
     copy_checkpoint(tmp_path, {"num_nextn_predict_layers": 1}, tensors)
     with caplog.at_level(logging.INFO, logger="tokenspeed_jax.models.deepseek_v3.weights"):
         _, loaded = load_hf(tmp_path)
     skipped = sum(name.startswith("model.layers.3.") for name in tensors)
     assert f"skipped {skipped} tensors of 1 multi-token prediction layer" in caplog.text
-    for mine, golden_leaf in zip(jax.tree_util.tree_leaves(nnx.state(loaded)),
-                                 jax.tree_util.tree_leaves(nnx.state(model)), strict=True):
-        np.testing.assert_array_equal(np.asarray(mine), np.asarray(golden_leaf))
+    for mine, plain in zip(jax.tree_util.tree_leaves(nnx.state(loaded)),
+                           jax.tree_util.tree_leaves(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(plain))
 
 
 def test_layers_past_the_model_are_refused_without_num_nextn_predict_layers(tmp_path):
