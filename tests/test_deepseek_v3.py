@@ -93,16 +93,43 @@ def test_prompts_batched_with_padding_match_transformers(golden):
         assert not np.asarray(caches[0][row, len(prompt):]).any(), "padding wrote a cache row"
 
 
-def page_tables_for(lengths: list[int], width: int, num_pages: int, seed: int) -> np.ndarray:
-    """Each request's pages, shuffled over the pool; the last page is nobody's (left unused)."""
-    pages = np.random.default_rng(seed).permutation(num_pages - 1)
-    tables = np.full((len(lengths), width), num_pages - 1, np.int32)
-    used = 0
-    for row, length in enumerate(lengths):
-        count = -(-length // PAGE)
-        tables[row, :count] = pages[used:used + count]
-        used += count
-    return tables
+class PagedPool:
+    """Latent pages for the golden prompts, each with room for ``extra`` more tokens; each
+    request's pages shuffled over the pool, the last page nobody's (it must stay zero)."""
+
+    def __init__(self, config, lengths: list[int], extra: int, seed: int = 0) -> None:
+        counts = [-(-(n + extra) // PAGE) for n in lengths]
+        self.num_pages = sum(counts) + 1
+        free = self.num_pages - 1
+        self.tables = np.full((len(lengths) + 1, max(counts)), free, np.int32)  # + a padding row
+        order = np.random.default_rng(seed).permutation(free)
+        for row, first in enumerate(np.cumsum(counts) - counts):
+            self.tables[row, :counts[row]] = order[first:first + counts[row]]
+        self.pages = latent_pages(config, self.num_pages, PAGE, jnp.float32)
+
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """i32 slot of each (row, position); -1 for padding."""
+        real = (rows >= 0) & (positions >= 0)
+        pos = np.maximum(positions, 0)
+        slot = self.tables[np.maximum(rows, 0), pos // PAGE] * PAGE + pos % PAGE
+        return np.where(real, slot, -1).astype(np.int32)
+
+    def free_page_untouched(self) -> bool:
+        return all(not np.asarray(layer[self.num_pages - 1]).any() for layer in self.pages)
+
+
+def packed_prefill(model_prefill, pool: PagedPool, prompts, chunks, pad: int) -> list:
+    """One prefill step of ``chunks`` (request row, first, end) packed, then ``pad`` padding
+    tokens; the logits of each chunk."""
+    ids = np.concatenate([prompts[r][a:b] for r, a, b in chunks] + [np.zeros(pad, np.int32)])
+    rows = np.concatenate([np.full(b - a, r) for r, a, b in chunks] + [np.full(pad, -1)])
+    positions = np.concatenate([np.arange(a, b) for _, a, b in chunks] + [np.full(pad, -1)])
+    rows, positions = rows.astype(np.int32), positions.astype(np.int32)
+    logits, pool.pages = model_prefill(
+        jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(rows),
+        jnp.asarray(pool.slots(rows, positions)), pool.pages, jnp.asarray(pool.tables))
+    ends = np.cumsum([b - a for _, a, b in chunks])
+    return [logits[end - (b - a):end] for (_, a, b), end in zip(chunks, ends)]
 
 
 def test_packed_prefill_then_batched_decode_matches_transformers(golden):
@@ -111,50 +138,47 @@ def test_packed_prefill_then_batched_decode_matches_transformers(golden):
     config, model, data, prompts = golden
     new_tokens = data["greedy_ids_0"].shape[0]
     lengths = [len(p) for p in prompts]
-    width = -(-(max(lengths) + new_tokens) // PAGE)
-    num_pages = sum(-(-(n + new_tokens) // PAGE) for n in lengths) + 1
-    tables = page_tables_for([n + new_tokens for n in lengths], width, num_pages, seed=0)
-
-    def slots(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        real = (rows >= 0) & (positions >= 0)
-        slot = tables[np.maximum(rows, 0), np.maximum(positions, 0) // PAGE] * PAGE + (
-            np.maximum(positions, 0) % PAGE)
-        return np.where(real, slot, -1).astype(np.int32)
-
-    pad = 3
-    ids = np.concatenate(prompts + [np.zeros(pad, np.int32)])
-    rows = np.concatenate([np.full(n, r, np.int32) for r, n in enumerate(lengths)]
-                          + [np.full(pad, -1, np.int32)])
-    positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths]
-                               + [np.full(pad, -1, np.int32)])
-    pages = latent_pages(config, num_pages, PAGE, jnp.float32)
-    logits, pages = jitted(model, "prefill")(
-        jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(rows),
-        jnp.asarray(slots(rows, positions)), pages, jnp.asarray(tables))
-    ends = np.cumsum(lengths)
-    for r, (start, end) in enumerate(zip(ends - lengths, ends)):
-        assert rel_err(logits[start:end], data[f"logits_{r}"]) < MAX_REL_ERR, r
+    pool = PagedPool(config, lengths, new_tokens)
+    chunks = [(r, 0, n) for r, n in enumerate(lengths)]
+    logits = packed_prefill(jitted(model, "prefill"), pool, prompts, chunks, pad=3)
+    for r in range(len(prompts)):
+        assert rel_err(logits[r], data[f"logits_{r}"]) < MAX_REL_ERR, r
 
     decode = jitted(model, "decode")
     batch_rows = np.array([0, 1, 2, -1], np.int32)  # the last row is padding
-    tables = np.concatenate([tables, np.full((1, width), num_pages - 1, np.int32)])
-    last = logits[ends - 1]
+    last = jnp.stack([chunk[-1] for chunk in logits])
     tokens, step_logits = [], []
     for step in range(new_tokens):
         step_logits.append(np.asarray(last))
         token = np.asarray(jnp.argmax(last, axis=-1), np.int32)
         tokens.append(token)
-        step_positions = np.where(batch_rows >= 0, np.array(lengths + [0]) + step, -1)
-        step_positions = step_positions.astype(np.int32)
-        out, pages = decode(jnp.asarray(np.r_[token, 0]), jnp.asarray(step_positions),
-                            jnp.asarray(slots(batch_rows, step_positions)), pages,
-                            jnp.asarray(tables))
+        positions = np.where(batch_rows >= 0, np.array(lengths + [0]) + step, -1)
+        positions = positions.astype(np.int32)
+        out, pool.pages = decode(jnp.asarray(np.r_[token, 0]), jnp.asarray(positions),
+                                 jnp.asarray(pool.slots(batch_rows, positions)), pool.pages,
+                                 jnp.asarray(pool.tables))
         last = out[:3]
     for r in range(len(prompts)):
         np.testing.assert_array_equal([t[r] for t in tokens], data[f"greedy_ids_{r}"])
         assert rel_err(np.stack([s[r] for s in step_logits]),
                        data[f"greedy_logits_{r}"]) < MAX_REL_ERR, r
-    assert all(not np.asarray(layer[num_pages - 1]).any() for layer in pages)
+    assert pool.free_page_untouched()
+
+
+def test_chunked_prefill_over_cached_prefix_pages_matches_transformers(golden):
+    """Two prefill steps: the second continues two requests from the pages the first wrote (their
+    cached prefixes) packed with a new request, as prefix caching and chunked prefill run."""
+    config, model, data, prompts = golden
+    lengths = [len(p) for p in prompts]
+    pool = PagedPool(config, lengths, extra=0, seed=1)
+    prefill = jitted(model, "prefill")
+    first = [(0, 0, 10), (1, 0, 40)]
+    second = [(0, 10, lengths[0]), (1, 40, lengths[1]), (2, 0, lengths[2])]
+    logits = packed_prefill(prefill, pool, prompts, first, pad=2)
+    logits += packed_prefill(prefill, pool, prompts, second, pad=1)
+    for (r, a, b), got in zip(first + second, logits):
+        assert rel_err(got, data[f"logits_{r}"][a:b]) < MAX_REL_ERR, (r, a, b)
+    assert pool.free_page_untouched()
 
 
 def raw_config() -> dict:
