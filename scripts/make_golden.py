@@ -2,7 +2,7 @@
 
 Run by hand, never by CI (CI has no torch); the tests only read the files this writes:
 
-    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi|kimi_hf]
+    /tmp/golden-venv/bin/python scripts/make_golden.py [all|llama|smollm2|kda|kimi|kimi_hf|deepseek_v3]
 
 - ``llama``: tiny random-weight HF checkpoints (``tiny_llama/``, ``tiny_qwen3/``, ``tiny_tied/``),
   each a complete HF model directory with its own trained byte-level BPE tokenizer, plus
@@ -15,6 +15,10 @@ Run by hand, never by CI (CI has no torch); the tests only read the files this w
   ``tiny_kimi*.npz`` with transformers' pure-torch logits, greedy tokens and the logits of each
   greedy step (``golden_kimi``); ``kimi_hf``: only ``tiny_kimi_hf``, the one transformers saves
   itself.
+- ``deepseek_v3``: ``tiny_deepseek_v3*/``, DeepSeek-V3 checkpoints under the published tensor
+  names (one with yarn rope, q-LoRA and grouped routing, one with the other branches), and
+  ``tiny_deepseek_v3*.npz`` with transformers' logits and greedy continuations of three prompts of
+  different lengths (``golden_deepseek_v3``).
 
 Every run is deterministic (fixed torch seeds, CPU, fp32) and checks each file after writing it.
 
@@ -35,7 +39,7 @@ import pathlib
 import sys
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "golden"
-TARGETS = ("all", "llama", "smollm2", "kda", "kimi", "kimi_hf")
+TARGETS = ("all", "llama", "smollm2", "kda", "kimi", "kimi_hf", "deepseek_v3")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
         import golden_kimi
 
         golden_kimi.write_all(GOLDEN_DIR, ("tiny_kimi_hf",) if args.target == "kimi_hf" else None)
+    if args.target in ("all", "deepseek_v3"):
+        import golden_deepseek_v3
+
+        golden_deepseek_v3.write(GOLDEN_DIR)
 
 
 if __name__ == "__main__":

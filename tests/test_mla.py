@@ -1,14 +1,23 @@
 """MLA's paged latent prefill attention against a per-token numpy computation (each query token
-over its own request's latent rows 0..its position, the values being the first R features), and
-its memory, which must not grow with page-table rows x width (``max_model_len``)."""
+over its own request's latent rows 0..its position, the values being the first R features), its
+memory, which must not grow with page-table rows x width (``max_model_len``), and the absorbed
+form with rotary tables against expanded per-head attention."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from tokenspeed_jax.models.mla import paged_latent_prefill
+from tokenspeed_jax.kernels.attention_ref import masked_attention
+from tokenspeed_jax.kernels.rotary import rotary_tables
+from tokenspeed_jax.models.mla import (
+    LORA_NORM_EPS,
+    MultiLatentAttention,
+    latent_attention,
+    paged_latent_prefill,
+)
 
 PAGE = 4
 RANK, ROPE, HEADS = 8, 4, 3
@@ -60,3 +69,47 @@ def test_prefill_memory_does_not_grow_with_rows_times_context():
     this 64x; the chunked loop over each row's live keys keeps it flat."""
     small, large = temp_bytes(rows=2, width=8), temp_bytes(rows=16, width=64)
     assert large < 2 * small
+
+
+def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_rotary_absorbed_attention_equals_expanded_heads():
+    """With rotary tables, the absorbed latent attention equals the textbook form: per-head keys
+    ``[k_nope_h, rot(k_rot)]`` and values expanded from the latent, queries ``[q_nope_h,
+    rot(q_rot_h)]``, causal softmax, output projection (numpy, float64)."""
+    hidden, nope, rope, value, tokens = 16, 6, 4, 5, 7
+    mla = MultiLatentAttention(hidden, num_heads=HEADS, q_lora_rank=None, kv_lora_rank=RANK,
+                               qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=value,
+                               dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(1).standard_normal((tokens, hidden)).astype(np.float32)
+    inv_freq = 1.0 / 100.0 ** (np.arange(0, rope, 2) / rope)
+    angles = np.arange(tokens)[:, None] * inv_freq  # [T, r / 2]
+    scale = 0.3
+    q, latent = mla.inputs(jnp.asarray(x), rotary_tables(jnp.arange(tokens), inv_freq))
+    mask = np.tril(np.ones((tokens, tokens), bool))[None]
+    attn = latent_attention(masked_attention, q[None], latent[None], RANK, jnp.asarray(mask),
+                            scale=scale)[0]
+    got = np.asarray(mla.outputs(attn))
+
+    w = {name: np.asarray(getattr(mla, name)[...], np.float64)
+         for name in ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")}
+    x64 = x.astype(np.float64)
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    q_full = np.einsum("TD,DHK->THK", x64, w["q_proj"])
+    q_full[..., nope:] = rotate_half(q_full[..., nope:], cos, sin)
+    kv = x64 @ w["kv_a_proj"]
+    c = kv[:, :RANK] / np.sqrt(np.mean(kv[:, :RANK] ** 2, -1, keepdims=True) + LORA_NORM_EPS)
+    k_rot = rotate_half(kv[:, None, RANK:], cos, sin)  # [T, 1, r]
+    expanded = np.einsum("TR,RHK->THK", c, w["kv_b_proj"])
+    keys = np.concatenate([expanded[..., :nope], np.repeat(k_rot, HEADS, axis=1)], axis=-1)
+    scores = np.einsum("THK,SHK->HTS", q_full, keys) * scale
+    scores = np.where(mask, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.einsum("HTS,SHV->THV", probs, expanded[..., nope:])
+    want = np.einsum("THV,HVD->TD", out, w["o_proj"])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

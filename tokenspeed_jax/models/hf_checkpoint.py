@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from safetensors import safe_open
@@ -24,6 +24,16 @@ from safetensors import safe_open
 from tokenspeed_jax.models.llama import LlamaConfig
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightEntry(NamedTuple):
+    """Where one checkpoint tensor goes: state path, checkpoint shape, layout change, and for a
+    per-expert tensor its row in the stacked ``[E, ...]`` parameter (a ``fill_state`` entry)."""
+
+    path: tuple[str | int, ...]
+    hf_shape: tuple[int, ...]
+    transform: Any
+    expert: int | None = None
 
 
 def read_json(path: Path) -> Any:

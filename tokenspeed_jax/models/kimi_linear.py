@@ -41,7 +41,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,11 @@ from tokenspeed_jax.models.kimi_linear_layers import (
     kda_core,
 )
 from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm
-from tokenspeed_jax.models.mla import MultiLatentAttention, latent_attention
+from tokenspeed_jax.models.mla import (
+    MultiLatentAttention,
+    latent_attention,
+    mla_weight_entries,
+)
 from tokenspeed_jax.models.moe import KimiMoE, SwiGLU
 
 MODEL_TYPE = "kimi_linear"
@@ -251,11 +255,7 @@ class KimiDecoderLayer(nnx.Module):
                 d, num_heads=config.linear_num_heads, head_dim=config.linear_head_dim,
                 conv_size=config.conv_kernel_size, norm_eps=config.rms_norm_eps, rngs=rngs, **kw)
         else:
-            self.self_attn = MultiLatentAttention(
-                d, num_heads=config.num_attention_heads, q_lora_rank=config.q_lora_rank,
-                kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-                qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                rngs=rngs, **kw)
+            self.self_attn = MultiLatentAttention.from_config(config, rngs=rngs, **kw)
         if index < config.first_k_dense_replace:
             self.mlp = SwiGLU(d, config.intermediate_size, rngs=rngs, **kw)
         else:
@@ -378,14 +378,7 @@ class KimiLinearForCausalLM(CausalLMBase):
         return kimi_weight_map(config)
 
 
-class KimiWeight(NamedTuple):
-    """Where one checkpoint tensor goes: state path, checkpoint shape, layout change, and for a
-    per-expert tensor its row in the stacked ``[E, ...]`` parameter."""
-
-    path: tuple[str | int, ...]
-    hf_shape: tuple[int, ...]
-    transform: Any
-    expert: int | None = None
+KimiWeight = hf_checkpoint.WeightEntry
 
 
 def _t(w: np.ndarray) -> np.ndarray:
@@ -400,8 +393,6 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
     """See ``KimiLinearForCausalLM.hf_weight_map``."""
     d, vocab = config.hidden_size, config.vocab_size
     h, k, width = config.linear_num_heads, config.linear_head_dim, config.conv_kernel_size
-    heads, nope, rope = config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim
-    v_dim, rank, q_rank = config.v_head_dim, config.kv_lora_rank, config.q_lora_rank
 
     def heads_in(n: int, dh: int, inner: int):  # [n*dh, inner] -> [inner, n, dh]
         return lambda w: w.reshape(n, dh, inner).transpose(2, 0, 1)
@@ -441,27 +432,7 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
                 attn + "o_proj.weight": (at + ("o_proj",), (d, h * k), heads_out(h, k)),
             })
         else:
-            qk = nope + rope
-            if q_rank is None:
-                entries[attn + "q_proj.weight"] = (at + ("q_proj",), (heads * qk, d),
-                                                   heads_in(heads, qk, d))
-            else:
-                entries.update({
-                    attn + "q_a_proj.weight": (at + ("q_a_proj",), (q_rank, d), _t),
-                    attn + "q_a_layernorm.weight": (at + ("q_a_layernorm", "weight"), (q_rank,),
-                                                    _same),
-                    attn + "q_b_proj.weight": (at + ("q_b_proj",), (heads * qk, q_rank),
-                                               heads_in(heads, qk, q_rank)),
-                })
-            entries.update({
-                attn + "kv_a_proj_with_mqa.weight": (at + ("kv_a_proj",), (rank + rope, d), _t),
-                attn + "kv_a_layernorm.weight": (at + ("kv_a_layernorm", "weight"), (rank,),
-                                                 _same),
-                attn + "kv_b_proj.weight": (at + ("kv_b_proj",), (heads * (nope + v_dim), rank),
-                                            heads_in(heads, nope + v_dim, rank)),
-                attn + "o_proj.weight": (at + ("o_proj",), (d, heads * v_dim),
-                                         heads_out(heads, v_dim)),
-            })
+            entries.update(mla_weight_entries(attn, at, config))
         if i < config.first_k_dense_replace:
             f, mlp, mp = config.intermediate_size, hf + "mlp.", path + ("mlp",)
         else:
