@@ -379,6 +379,33 @@ def test_a_deferred_bucket_the_cache_holds_whole_loads_at_start_up(tmp_path):
     check_plan(ready["rows=32"], 32)
 
 
+def test_deferred_buckets_named_first_compile_first(tmp_path):
+    compiler = PlanCompiler(progress=False)
+    add_buckets(compiler, (16, 32, 48), deferred=(16, 32, 48))
+    compiler.compile_all()
+    order = []
+    compiler.compile_deferred(lambda label, plan: order.append(label), first={"rows=48"})
+    assert order == ["rows=48", "rows=16", "rows=32"]
+
+
+def test_the_autotune_directory_is_not_part_of_the_key_and_clear_removes_it(tmp_path):
+    """Executables compiled with XLA's autotune results kept in the cache's ``autotune/``
+    (0700) are the ones a compiler without it loads; ``clear`` removes the results too."""
+    cache = ExecutableCache(tmp_path, load_mac_key())
+    directory = Path(cache.autotune_directory())
+    assert directory == tmp_path / "autotune" and directory.stat().st_mode & 0o777 == 0o700
+    (directory / "results.textproto").write_text("")
+    tuned = PlanCompiler(progress=False, cache=cache, autotune_cache_dir=str(directory))
+    add_buckets(tuned, (16,))
+    assert tuned.compile_all()[1].num_compiled == 2
+    plain = PlanCompiler(progress=False, cache=cache)
+    add_buckets(plain, (16,))
+    plans, summary = plain.compile_all()
+    assert (summary.num_loaded, summary.num_compiled) == (2, 0)
+    check_plan(plans["rows=16"], 16)
+    assert cache.clear() == 2 and not directory.exists()
+
+
 def test_deferred_compiles_on_another_thread_are_start_up_work():
     """Serving under a strict guard while another thread compiles the deferred buckets: the
     guard counts none of that thread's compiles, and still raises on this thread's."""

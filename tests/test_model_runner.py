@@ -841,6 +841,68 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
         runner.guard.disarm()
 
 
+def decode_weight_leaves(runner, rows: int) -> int:
+    """Parameter arrays the ``rows``-row decode executable in use takes."""
+    (call,) = runner._decode_turns[rows].slots[0].plan.calls
+    return len(call.param_leaves)
+
+
+def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
+    """With a quick skeleton, ``compile_all`` compiles the skeleton with the quick compiler
+    (no autotuning; per-layer decode weights even where the decode step stacks them) and defers
+    its autotuned plans, which the background compile takes first: each replaces its quick plan
+    while the ready rungs stay the skeleton's, then the rest of the ladder follows. Every step
+    on the way gives the reference forward's tokens with no compile on its path; a second start
+    on the same cache loads the autotuned plans and compiles nothing."""
+    config = dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path), quick_skeleton=True,
+                                 stack_decode_weights=True)
+    runner = ModelRunner(model, config, 64, PAGE)
+    per_layer = len(jax.tree_util.tree_leaves((runner.outer_state, runner.layer_states)))
+    stacked = len(jax.tree_util.tree_leaves((runner.outer_state, runner.stacked_layers)))
+    assert stacked < per_layer
+    summary = runner.compile_all(start_background=False)
+    try:
+        skeleton = model_runner.Buckets((16, 64), (1, 4), (1, 2, 8))
+        assert runner.ready == skeleton
+        untuned = runner.stats()["plans_untuned"]
+        assert untuned == 16 and summary.num_compiled >= untuned  # plans, executables
+        assert summary.num_deferred == untuned + 4  # the skeleton autotuned, then the rest
+        assert decode_weight_leaves(runner, 2) == per_layer
+        _, first = generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)
+        while runner.stats()["plans_untuned"]:
+            runner.ladders.compile_deferred(limit=1)
+            assert runner.stats()["plans_untuned"] == untuned - 1
+            untuned -= 1
+            assert runner.ready == skeleton
+            if untuned == 8:  # quick and autotuned plans side by side
+                assert generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
+        assert generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
+        assert decode_weight_leaves(runner, 2) == stacked
+        runner.ladders.compile_deferred()
+        assert runner.ready == runner.buckets
+        assert generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
+        assert runner.stats()["runtime_compiles"] == 0
+    finally:
+        runner.guard.disarm()
+    warm = ModelRunner(model, config, 64, PAGE)
+    summary = warm.compile_all(start_background=False)
+    try:
+        assert summary.num_compiled == 0 and warm.stats()["plans_untuned"] == 0
+        assert warm.ready == warm.buckets and decode_weight_leaves(warm, 2) == stacked
+    finally:
+        warm.guard.disarm()
+
+
+def test_quick_skeleton_is_auto_on_a_gpu_with_background_compile():
+    rule = model_runner.uses_quick_skeleton
+    assert rule(EngineConfig(), "gpu")
+    assert not rule(EngineConfig(), "cpu")
+    assert not rule(EngineConfig(background_compile=False), "gpu")
+    assert rule(EngineConfig(quick_skeleton=True), "cpu")
+    assert not rule(EngineConfig(quick_skeleton=False), "gpu")
+    assert not rule(EngineConfig(quick_skeleton=True, background_compile=False), "cpu")
+
+
 def test_a_background_compile_failure_surfaces_at_the_next_step(model, monkeypatch):
     """A bucket that fails to compile on the background thread is fatal as at start-up: the
     error names the segment and the bucket, and the runner's next step raises it."""

@@ -58,6 +58,11 @@ class EngineConfig:
     # compiles for seconds (autotuning), so a skeleton is ready long before the whole ladder.
     # Off: every bucket compiles before serving.
     background_compile: bool = True
+    # With background_compile: compile the skeleton without XLA's autotuning, on several threads,
+    # so serving starts sooner, then compile it again autotuned in the background, first of all,
+    # each autotuned executable replacing its quick one as it lands (steps run slower until
+    # then, the same results). None = auto: on a GPU (the CPU compiler does not autotune).
+    quick_skeleton: bool | None = None
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
     # dtype of the KDA layers' recurrent state rows (hybrid models): "float32", or "bfloat16" for

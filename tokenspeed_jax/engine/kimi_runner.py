@@ -78,7 +78,7 @@ from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.model_runner import engine_compiler
+from tokenspeed_jax.engine.model_runner import engine_compiler, ladder_compiler
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
@@ -509,18 +509,16 @@ class KimiRunner:
         """Compile (or load from the executable cache) every executable a step can reach; fatal
         on failure; then arm the guard. With background compile, only the skeleton's, and the
         others later, as ``ModelRunner.compile_all`` does."""
-        compiler = engine_compiler(self.config, description="compiling Kimi executables",
-                                   fingerprint=self.cache_fingerprint(), mesh=self.mesh)
-        full = self.buckets
-        skeleton = full.skeleton() if self.config.background_compile else full
-        ladders = self.ladders = LadderCompiler(compiler, full, skeleton)
+        ladders = self.ladders = ladder_compiler(
+            self.config, self.buckets, description="compiling Kimi executables",
+            fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
         board = abstract(self.board)
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.
-        for rows in full.decode_executables:
+        for rows in self.buckets.decode_executables:
             needed_by = ladders.decode_rungs(rows)
             inputs, attention, head = (abstract(m) for m in self._decode_arrays([], rows))
             ladders.add(needed_by, f"decode T={rows} N={rows}", self._store(("decode", rows, rows)),
@@ -540,8 +538,8 @@ class KimiRunner:
                         self.restore_plan, {**rows, **{n: pools[n] for n in self.state_pools}},
                         shardings=shardings)
         routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
-        for tokens, requests in self._prefill_shapes(skeleton):
-            needed_by = self._rungs_needing(tokens, requests, skeleton)
+        for tokens, requests in self._prefill_shapes(ladders.skeleton):
+            needed_by = self._rungs_needing(tokens, requests, ladders.skeleton)
             inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
             for route in routes:
                 ladders.add(needed_by, f"{route} T={tokens} N={requests}",

@@ -26,6 +26,15 @@ Invariants:
   ``check()`` (called by the runner at every step) raises it as a ``CompileError``, which the
   engine loop treats as an engine failure (the server then exits 1). An idle server notices it
   at its next step.
+* **Quick skeleton** (a ``quick`` compiler, XLA's autotuning off and several threads): the
+  skeleton's plans the cache does not hold whole are compiled by it before serving (each with
+  the ``quick_plan`` its ``add`` names, else the same plan), then compiled again by the main
+  compiler in the background, first of all, and each autotuned plan replaces its quick one in
+  the runner's tables as it lands (a table entry is replaced by one assignment). Results do not
+  depend on the tier; only their speed does. ``stats()["plans_untuned"]`` counts the quick
+  plans still serving. Quick executables are cached under their own key, so a restart before
+  the autotuned ones landed loads them; once every autotuned plan of the skeleton is in the
+  cache, a start loads those and compiles nothing quick.
 * At interpreter exit, a background compile still running is stopped after its current bucket
   (an ``atexit`` hook), so no XLA compile is cut off by the interpreter's shutdown; once the main
   thread has ended, the thread pools refuse new work, which ends the background compile quietly,
@@ -71,9 +80,16 @@ class LadderCompiler:
     """A runner's bucket plans on a ``PlanCompiler``: the skeleton's at start-up, the others in
     the background (module docstring)."""
 
-    def __init__(self, compiler: PlanCompiler, full: Buckets, skeleton: Buckets) -> None:
+    def __init__(self, compiler: PlanCompiler, full: Buckets, skeleton: Buckets, *,
+                 quick: PlanCompiler | None = None) -> None:
+        """``quick``: the compiler of the quick skeleton (module docstring); None = the
+        skeleton's plans are compiled by ``compiler`` before serving."""
         self.compiler = compiler
+        self.quick = quick
+        self._quick_plans: dict[str, tuple[Plan, Mapping[str, Any], Any, dict]] = {}
+        self._untuned: set[str] = set()
         self.full = full
+        self.skeleton = skeleton
         self._skeleton = rungs(skeleton)
         tops = [(getattr(full, f.name)[-1:], getattr(skeleton, f.name)[-1:])
                 for f in dataclasses.fields(full)]
@@ -92,16 +108,21 @@ class LadderCompiler:
 
     def add(self, needed_by: Iterable[Rung], label: str, store: Callable[[CompiledPlan], None],
             plan: Plan, input_specs: Mapping[str, Any], meta_specs: Mapping[str, Any] | None = None,
-            **options: Any) -> None:
+            *, quick_plan: Plan | None = None, **options: Any) -> None:
         """Add the bucket plan ``label`` that each rung of ``needed_by`` needs; ``store`` puts
         its compiled plan in the runner's tables. Deferred unless a skeleton rung needs it.
-        ``options``: further ``PlanCompiler.add`` arguments."""
+        ``quick_plan``: the plan the quick skeleton compiles instead of ``plan`` (the same
+        inputs, outputs and results; cheaper to compile). ``options``: further
+        ``PlanCompiler.add`` arguments."""
         needed_by = list(needed_by)
         unknown = [rung for rung in needed_by if rung not in self._missing]
         if not needed_by or unknown:
             raise ValueError(f"{label}: needed by {needed_by}, which must be rungs of the "
                              f"ladders {self.full} (unknown: {unknown})")
         deferred = self._skeleton.isdisjoint(needed_by)
+        if not deferred and self.quick is not None:
+            self._quick_plans[label] = (quick_plan or plan, input_specs, meta_specs, options)
+            deferred = True  # autotuned in the background, unless the cache holds it whole
         self.compiler.add(label, plan, input_specs, meta_specs, deferred=deferred, **options)
         self._needed_by[label] = needed_by
         self._stores[label] = store
@@ -131,6 +152,16 @@ class LadderCompiler:
         plans, summary = self.compiler.compile_all()
         for label, plan in plans.items():
             self._store(label, plan)
+        untuned = [label for label in self._quick_plans if label not in plans]
+        if untuned:
+            for label in untuned:
+                plan, input_specs, meta_specs, options = self._quick_plans[label]
+                self.quick.add(label, plan, input_specs, meta_specs, **options)
+            quick_plans, quick_summary = self.quick.compile_all()
+            for label, plan in quick_plans.items():
+                self._store(label, plan)
+            self._untuned.update(quick_plans)
+            summary = summary.merged(quick_summary)
         self._publish()
         if background and self.compiler.num_deferred:
             self._thread = threading.Thread(target=self._run, name="ladder-compile",
@@ -142,10 +173,11 @@ class LadderCompiler:
     def compile_deferred(self, limit: int | None = None) -> CompileSummary:
         """Compile up to ``limit`` deferred bucket plans (all: None) on the calling thread,
         publishing each rung they complete."""
-        return self.compiler.compile_deferred(self._adopt, limit=limit)
+        return self.compiler.compile_deferred(self._adopt, limit=limit, first=self._untuned)
 
     def _store(self, label: str, plan: CompiledPlan) -> None:
-        self._stores.pop(label)(plan)
+        self._stores[label](plan)
+        self._untuned.discard(label)
         for rung in self._needed_by[label]:
             self._missing[rung].discard(label)
 
@@ -219,4 +251,5 @@ class LadderCompiler:
 
     def stats(self) -> dict[str, int]:
         ready, total = self.counts()
-        return {"buckets_ready": ready, "buckets_total": total}
+        return {"buckets_ready": ready, "buckets_total": total,
+                "plans_untuned": len(self._untuned)}

@@ -70,6 +70,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,10 +175,18 @@ def split_requests(
 SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
 
 
+# The quick skeleton's XLA option: no autotuning (its kernels are chosen by heuristics), so
+# compiles are short and do not time kernels on the device, and may run side by side.
+NO_AUTOTUNE = {"xla_gpu_autotune_level": "0"}
+QUICK_COMPILE_THREADS = min(8, os.cpu_count() or 1)
+
+
 def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str | None,
-                    mesh: Any) -> PlanCompiler:
+                    mesh: Any, quick: bool = False) -> PlanCompiler:
     """The ``PlanCompiler`` of a runner built from ``config``: its progress bar, executable
-    cache, XLA options and threads. A cache directory or key file that cannot be trusted
+    cache, XLA options and threads; on a GPU, XLA's autotune results kept beside the cache.
+    ``quick``: the quick skeleton's compiler (``engine/ladders.py``): no autotuning, at least
+    ``QUICK_COMPILE_THREADS`` threads. A cache directory or key file that cannot be trusted
     (``graph/trust.py``) is fatal: ``CacheTrustError`` naming the flags that choose others."""
     cache_dir, cache = config.compile_cache_path, None
     if cache_dir:
@@ -186,9 +195,38 @@ def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str 
         except CacheTrustError as error:
             raise CacheTrustError(f"{error} (--compile-cache-dir, --compile-cache-key-file; "
                                   f"--no-compile-cache turns the cache off)") from None
+    options, threads = config.compiler_options, config.compile_threads
+    if quick:
+        options, threads = {**options, **NO_AUTOTUNE}, max(threads, QUICK_COMPILE_THREADS)
+    autotune_dir = (cache.autotune_directory()
+                    if cache is not None and jax.default_backend() == "gpu" and not quick
+                    else None)
     return PlanCompiler(progress=config.compile_progress, description=description,
-                        cache=cache, fingerprint=fingerprint, mesh=mesh,
-                        compiler_options=config.compiler_options, threads=config.compile_threads)
+                        cache=cache, fingerprint=fingerprint, mesh=mesh, compiler_options=options,
+                        threads=threads, autotune_cache_dir=autotune_dir)
+
+
+def uses_quick_skeleton(config: EngineConfig, platform: str | None = None) -> bool:
+    """Whether the skeleton is compiled quick and autotuned in the background: an explicit
+    ``quick_skeleton``, else on a GPU with ``background_compile`` (on a CPU nothing is
+    autotuned, so there is nothing to gain)."""
+    if config.quick_skeleton is not None:
+        return config.quick_skeleton and config.background_compile
+    return config.background_compile and (platform or jax.default_backend()) == "gpu"
+
+
+def ladder_compiler(config: EngineConfig, buckets: Buckets, *, description: str,
+                    fingerprint: str, mesh: Any) -> LadderCompiler:
+    """The ``LadderCompiler`` of a runner's ``buckets``: the skeleton before serving with
+    ``background_compile`` (quick with ``uses_quick_skeleton``), else every bucket."""
+    compiler = engine_compiler(config, description=description, fingerprint=fingerprint,
+                               mesh=mesh)
+    if not config.background_compile:
+        return LadderCompiler(compiler, buckets, buckets)
+    quick = (engine_compiler(config, description=f"{description} (quick skeleton)",
+                             fingerprint=fingerprint, mesh=mesh, quick=True)
+             if uses_quick_skeleton(config) else None)
+    return LadderCompiler(compiler, buckets, buckets.skeleton(), quick=quick)
 
 
 def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
@@ -404,7 +442,7 @@ class ModelRunner:
         previous decode step wrote. The last value (the turn's sampled-rows buffer) is not read:
         it is donated so that the sampled rows are written into it."""
         outer_state, layer_states = params
-        if self.stacked_layers is not None:
+        if not isinstance(layer_states, tuple):  # stacked (``stack_decode_weights``)
             layer_states = unstack_layer_states(layer_states, self.num_layers)
         meta = packed.unpack()
         *caches, board, _ = values
@@ -492,9 +530,13 @@ class ModelRunner:
         decoded = ("sampled", "logits", "board", *caches)
         carried = (*caches, "board", "sampled")
         decode = Break("decode", self._decode_step, carried, decoded, donate=carried)
-        layers = (tuple(self.layer_states) if self.stacked_layers is None
-                  else self.stacked_layers)
-        self.decode_plan = Plan([Call(decode, (self.outer_state, layers))], carried, decoded)
+        per_layer = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))], carried,
+                         decoded)
+        self.decode_plan = per_layer if self.stacked_layers is None else Plan(
+            [Call(decode, (self.outer_state, self.stacked_layers))], carried, decoded)
+        # The quick skeleton's decode (engine/ladders.py): stacked weights make every layer's
+        # products a different fused computation, each compiled (and autotuned) on its own.
+        self.per_layer_decode_plan = per_layer
 
     # ----------------------------------------------------------------- start-up compile
 
@@ -628,11 +670,9 @@ class ModelRunner:
         here and a thread compiles the others, each bucket ready for the next step once its
         plans are (``engine/ladders.py``); without ``start_background``,
         ``ladders.compile_deferred`` compiles them when called."""
-        compiler = engine_compiler(self.config, description="compiling executables",
-                                   fingerprint=self.cache_fingerprint(), mesh=self.mesh)
-        ladders = self.ladders = LadderCompiler(
-            compiler, self.buckets,
-            self.buckets.skeleton() if self.config.background_compile else self.buckets)
+        ladders = self.ladders = ladder_compiler(
+            self.config, self.buckets, description="compiling executables",
+            fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         caches = self._cache_specs()
         shardings = {} if self.mesh is None else parallel.plan_value_shardings(
             self.model_config, self.mesh, list(caches))
@@ -645,7 +685,8 @@ class ModelRunner:
                         functools.partial(self._store_decode, rows), self.decode_plan,
                         {**caches, "board": abstract(self.board),
                          "sampled": sampled_buffer_spec(rows)}, meta, shardings=shardings,
-                        copies=2 if self.alternate_decode else 1)
+                        copies=2 if self.alternate_decode else 1,
+                        quick_plan=self.per_layer_decode_plan)
             ladders.add_resampler(self.resampler, rows)
         for rows in self.buckets.prefill_requests:
             narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)

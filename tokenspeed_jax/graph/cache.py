@@ -82,6 +82,12 @@ code in every process using it: keep it private to the user running the engine, 
 along with a cache only to where its readers are trusted as much. A key that is removed is
 made anew on the next start; every entry then fails its MAC once and is recompiled. The
 directories above the cache directory and the key file are not checked.
+
+**Autotune results** (GPU) live in the subdirectory ``autotune/`` (0700), written and read by
+XLA itself: protocol-buffer text naming the kernel configuration chosen for each fused
+computation, not code, and not covered by the MAC. Someone who can write them can make a later
+compile pick a slower configuration among those XLA accepts; ``clear`` removes them with the
+entries.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 import tempfile
 import time
@@ -114,6 +121,7 @@ logger = logging.getLogger(__name__)
 FORMAT = 5  # bump when the entry layout or the key description changes
 MAGIC = b"TSJAXEXE"
 SUFFIX = ".exe"
+AUTOTUNE_SUBDIR = "autotune"  # XLA's autotune results, beside the entries
 _MAC = 32  # HMAC-SHA256 trailer
 _LENGTH = struct.Struct("<Q")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -530,6 +538,13 @@ class ExecutableCache:
     def path(self, digest: str) -> Path:
         return self.directory / f"{digest}{SUFFIX}"
 
+    def autotune_directory(self) -> str:
+        """The directory (0700, created if missing) where XLA keeps the kernel choices its GPU
+        autotuner measured (``PlanCompiler(autotune_cache_dir=...)``), beside the entries."""
+        directory = self.directory / AUTOTUNE_SUBDIR
+        make_private_directory(directory)
+        return str(directory)
+
     def _problem(self, path: Path, reason: str) -> None:
         self.problems += 1
         logger.warning("compile cache entry %s is unusable (%s): recompiling and replacing it",
@@ -667,12 +682,14 @@ class ExecutableCache:
             yield EntryInfo(path, header, stat.st_size, now - stat.st_mtime, problem)
 
     def clear(self) -> int:
-        """Remove every entry and leftover temporary file; the number of entries removed."""
+        """Remove every entry, leftover temporary file and the autotune results; the number of
+        entries removed."""
         removed = 0
         if self.directory.is_dir():
             for path in self.directory.glob(f"*{SUFFIX}"):
                 path.unlink(missing_ok=True)
                 removed += not path.name.startswith(".")
+            shutil.rmtree(self.directory / AUTOTUNE_SUBDIR, ignore_errors=True)
         return removed
 
 

@@ -39,7 +39,10 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   one ``compile_deferred`` call at a time; after ``compile_all``, nothing else touches it.
 * ``compiler_options`` (XLA options, as ``jax.stages.Lowered.compile`` takes them) apply to
   every executable of the compiler and are part of its cache key; XLA rejecting one is a
-  ``CompileError`` like any other.
+  ``CompileError`` like any other. ``autotune_cache_dir`` (GPU) is where XLA keeps the kernel
+  choices its autotuner measured, one file per fused computation, read back by any later compile
+  of the same computation on the same device kind; it changes how long a compile takes, not what
+  it may produce, so it is not part of the cache key.
 * ``add(..., copies=n)`` asks for n loaded copies of the bucket's executables, loaded again
   from the cache entry or from the fresh compile's serialized form (no second compile; a CPU
   executable that was itself deserialized does not serialize into a loadable one, so copies
@@ -68,7 +71,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -91,6 +94,8 @@ from tokenspeed_jax.graph.runner import CompiledCall, CompiledPlan
 # Cache hits are deserialized on several threads: the load runs outside the GIL, so threads
 # shorten a warm start.
 LOAD_THREADS = min(8, os.cpu_count() or 1)
+# XLA's option naming the directory of its per-fusion autotune results (GPU).
+AUTOTUNE_CACHE_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
 
 
 class CompileError(RuntimeError):
@@ -262,6 +267,20 @@ class CompileSummary:
                 f"{self.threads} thread{'s' if self.threads > 1 else ''} "
                 f"({self.compile_seconds:.2f}s of compiling)")
 
+    def merged(self, other: CompileSummary) -> CompileSummary:
+        """This summary and ``other``'s (another compiler's pass) as one: counts and seconds
+        added, the per-label seconds of both, the larger thread count."""
+        values = {}
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if field.name == "threads":
+                values[field.name] = max(mine, theirs)
+            elif isinstance(mine, dict):
+                values[field.name] = {**mine, **theirs}
+            else:
+                values[field.name] = mine + theirs
+        return CompileSummary(**values)
+
     def table(self) -> str:
         rows = [f"{'bucket':<32} {'seconds':>8}"]
         rows += [f"{label:<32} {sec:8.2f}" for label, sec in self.seconds_per_label.items()]
@@ -286,6 +305,7 @@ class PlanCompiler:
         mesh: Mesh | None = None,
         compiler_options: Mapping[str, str | bool] | None = None,
         threads: int = 1,
+        autotune_cache_dir: str | None = None,
     ) -> None:
         """``cache``: look executables up there and store new ones. ``fingerprint``: a stable
         description of everything the stage functions read besides their arguments (needed to
@@ -294,12 +314,16 @@ class PlanCompiler:
         docstring). ``threads``: executables compiled at once. One by default: on a GPU most
         of a compile is XLA's autotuner timing kernels on the device, which does not overlap,
         and compiles at once disturb its timings (which can then pick a slower kernel); on a
-        2-core CPU they did not shorten the test suite."""
+        2-core CPU they did not shorten the test suite. ``autotune_cache_dir``: XLA's
+        autotune results are kept there (module docstring)."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})
+        self._xla_options = dict(self.compiler_options)
+        if autotune_cache_dir is not None:
+            self._xla_options[AUTOTUNE_CACHE_OPTION] = autotune_cache_dir
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._value_shardings: dict[str, Sharding] = {}
         # XLA:CPU's in-process collectives deadlock with several executions in flight.
@@ -473,7 +497,7 @@ class PlanCompiler:
         try:
             with guard.startup():
                 job.executable = job.traced.lower().compile(
-                    compiler_options=self.compiler_options or None)
+                    compiler_options=self._xla_options or None)
         except Exception as error:
             raise CompileError(
                 f"compiling segment {job.name!r} for bucket {job.label} failed: "
@@ -530,9 +554,11 @@ class PlanCompiler:
         return compiled, self._summary(buckets, pass_, start)
 
     def compile_deferred(self, on_ready: Callable[[str, CompiledPlan], None], *,
-                         limit: int | None = None) -> CompileSummary:
+                         limit: int | None = None,
+                         first: Collection[str] = ()) -> CompileSummary:
         """Compile the deferred buckets ``compile_all`` left, one at a time in the order they
-        were added (at most ``limit`` of them), on the calling thread, handing each bucket's
+        were added, the labels in ``first`` before the others (at most ``limit`` of them), on
+        the calling thread, handing each bucket's
         compiled plan to ``on_ready(label, plan)`` as soon as it is complete. Every compile here
         is start-up work for the compile guard (``guard.startup``), whatever the thread. Fatal
         on the first failure, as ``compile_all``: that bucket and the ones after it stay
@@ -541,7 +567,8 @@ class PlanCompiler:
             raise RuntimeError("compile_deferred is already running on another thread")
         try:
             start = time.perf_counter()
-            waiting = [b for b in self._buckets.values() if b.deferred and not b.ready]
+            waiting = sorted((b for b in self._buckets.values() if b.deferred and not b.ready),
+                             key=lambda bucket: bucket.label not in first)
             done: list[_Bucket] = []
             pass_ = _Pass()
             with guard.startup(), tqdm(disable=True) as bar:
