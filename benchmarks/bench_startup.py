@@ -93,6 +93,14 @@ def _write_checkpoint(args: argparse.Namespace, case: str, model_dir: Path) -> f
     return time.perf_counter() - began
 
 
+SWITCHES = ("inline_prefill_attention", "background_compile", "quick_skeleton")
+
+
+def _switches(args: argparse.Namespace) -> dict:
+    """The on/off flags given on the command line; the others keep EngineConfig's defaults."""
+    return {name: getattr(args, name) for name in SWITCHES if getattr(args, name) is not None}
+
+
 def _engine_config(args: argparse.Namespace, cache_dir: str):
     from tokenspeed_jax.config import EngineConfig
 
@@ -102,8 +110,7 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
             model=args.model, prefill_graph_max_tokens=args.server_ladder,
             chunked_prefill_size=args.server_ladder, max_model_len=4096, num_pages=1024,
             page_size=PAGE_SIZE, compile_progress=False, compile_cache_dir=cache_dir,
-            dtype=_dtype(args), inline_prefill_attention=args.inline_prefill_attention,
-            compile_threads=args.compile_threads, background_compile=args.background_compile)
+            dtype=_dtype(args), compile_threads=args.compile_threads, **_switches(args))
     if args.tiny:
         sizes = {"tokens": (16,), "prefill_bs": (1, 2), "decode": (1, 2), "max_len": 64,
                  "pages": 8}
@@ -118,9 +125,8 @@ def _engine_config(args: argparse.Namespace, cache_dir: str):
         decode_graph_capture_batch_sizes=sizes["decode"], decode_graph_max_bs=max(sizes["decode"]),
         max_num_seqs=max(sizes["decode"]), max_model_len=sizes["max_len"],
         num_pages=sizes["pages"], page_size=PAGE_SIZE, compile_progress=False,
-        compile_cache_dir=cache_dir, dtype=_dtype(args),
-        inline_prefill_attention=args.inline_prefill_attention,
-        compile_threads=args.compile_threads, background_compile=args.background_compile)
+        compile_cache_dir=cache_dir, dtype=_dtype(args), compile_threads=args.compile_threads,
+        **_switches(args))
 
 
 def _engine(config):
@@ -135,7 +141,26 @@ def _engine(config):
                         mesh=parallel.make_mesh(config.tensor_parallel_size))
     load_seconds = time.perf_counter() - began
     bundle = build_engine(config, loaded)
-    return bundle.runner, bundle.compile_summary, load_seconds
+    return bundle, load_seconds
+
+
+def decode_ms(engine, batch: int) -> float:
+    """Milliseconds per decode step of ``batch`` greedy requests through ``engine.generate``:
+    the best of three runs of 144 and of 16 tokens, their difference over 128 steps (the
+    prefill and the fetches at the ends cancel)."""
+    from tokenspeed_jax.sampling_params import SamplingParams
+
+    prompts = [[(i * 31 + j) % 300 + 5 for j in range(40)] for i in range(batch)]
+    best = {}
+    for tokens in (16, 144):
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
+        runs = []
+        for _ in range(3):
+            began = time.perf_counter()
+            engine.generate([(p, params) for p in prompts])
+            runs.append(time.perf_counter() - began)
+        best[tokens] = min(runs)
+    return (best[144] - best[16]) / 128 * 1e3
 
 
 def _generate(runner) -> str:
@@ -274,7 +299,8 @@ def child(args: argparse.Namespace) -> None:
     if args.case == "kda":
         run, summary = _kda(args, args.cache_dir)
     else:
-        runner, summary, checkpoint_load_s = _engine(_engine_config(args, args.cache_dir))
+        bundle, checkpoint_load_s = _engine(_engine_config(args, args.cache_dir))
+        runner, summary = bundle.runner, bundle.compile_summary
 
         def run() -> str:
             return _generate(runner)
@@ -288,10 +314,17 @@ def child(args: argparse.Namespace) -> None:
         "backend_compiles": len(compiles.seconds),
         "plan_backend_compiles": compiles.in_plans,
         "backend_compile_s": sum(compiles.seconds)}), flush=True)
+    speeds = {}
     if args.case != "kda":
+        while runner.stats()["plans_untuned"]:  # a quick skeleton still serving
+            time.sleep(0.1)
+        print("TUNED", flush=True)
         runner.ladders.wait()
+        if args.decode_speed:
+            speeds = {f"decode_ms_bs{batch}": decode_ms(bundle.engine, batch)
+                      for batch in (1, 64)}
     print("LADDER", flush=True)
-    print("DONE " + json.dumps({"outputs": run()}), flush=True)
+    print("DONE " + json.dumps({"outputs": run(), **speeds}), flush=True)
 
 
 def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
@@ -299,14 +332,11 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
     command = [sys.executable, __file__, "--child", "--case", case, "--cache-dir", str(cache_dir)]
     command += ["--tiny"] * args.tiny + ["--random-weights"] * args.random_weights
     command += ["--server-ladder", str(args.server_ladder)] * bool(args.server_ladder)
-    if args.inline_prefill_attention is not None:
-        command.append("--inline-prefill-attention" if args.inline_prefill_attention
-                       else "--no-inline-prefill-attention")
     command += ["--model", str(model_dir)] * (model_dir is not None)
     command += ["--compile-threads", str(args.compile_threads)]
-    if args.background_compile is not None:
-        command.append("--background-compile" if args.background_compile
-                       else "--no-background-compile")
+    for flag, on in _switches(args).items():
+        command.append(f"--{'' if on else 'no-'}{flag.replace('_', '-')}")
+    command += ["--decode-speed"] * args.decode_speed
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -314,6 +344,8 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
         if line.startswith("READY "):
             result["ready_s"] = time.perf_counter() - began
             result.update(json.loads(line[6:]))
+        elif line.startswith("TUNED"):
+            result["tuned_s"] = time.perf_counter() - began
         elif line.startswith("LADDER"):
             result["ladder_s"] = time.perf_counter() - began
         elif line.startswith("DONE "):
@@ -350,7 +382,8 @@ def print_table(rows: list[dict]) -> None:
     start's compile threads and the wall time of its start-up plan compiles; the phases
     (import, checkpoint load, executables loaded from the cache) and the compiles outside the
     plans are the warm start's."""
-    print(f"{'case':<15} {'write s':>7} {'cold s':>7} {'ladder s':>8} {'warm s':>7} "
+    print(f"{'case':<15} {'write s':>7} {'cold s':>7} {'tuned s':>7} {'ladder s':>8} "
+          f"{'warm s':>7} "
           f"{'warm/cold':>9} "
           f"{'compiled':>8} {'threads':>7} {'compile wall s':>14} {'loaded':>6} "
           f"{'compiles cold/warm':>18} {'non-plan warm':>13} "
@@ -359,13 +392,17 @@ def print_table(rows: list[dict]) -> None:
         cold, warm = row["cold"], row["warm"]
         non_plan = warm["backend_compiles"] - warm["plan_backend_compiles"]
         print(f"{row['case']:<15} {seconds(row['checkpoint_write_s']):>7} "
-              f"{cold['ready_s']:7.1f} {cold['ladder_s']:8.1f} {warm['ready_s']:7.1f} "
+              f"{cold['ready_s']:7.1f} {seconds(cold.get('tuned_s')):>7} "
+              f"{cold['ladder_s']:8.1f} {warm['ready_s']:7.1f} "
               f"{row['warm_over_cold']:9.1%} "
               f"{cold['compiled']:8d} {cold['threads']:7d} {cold['compile_wall_s']:14.1f} "
               f"{warm['loaded']:6d} "
               f"{cold['backend_compiles']:>11d}/{warm['backend_compiles']:<6d} {non_plan:13d} "
               f"{warm['import_s']:8.1f} {seconds(warm['checkpoint_load_s']):>6} "
               f"{warm['load_s']:10.2f} {row['identical_outputs']!s:>8}")
+        if "decode_ms_bs1" in warm:
+            print(f"{'':<15} decode ms after start-up (warm), batch 1 / 64: "
+                  f"{warm['decode_ms_bs1']:.3f} / {warm['decode_ms_bs64']:.3f}")
 
 
 def main() -> None:
@@ -386,6 +423,11 @@ def main() -> None:
     parser.add_argument("--background-compile", action=argparse.BooleanOptionalAction,
                         help="serve after a skeleton of the buckets, the rest compiled in the "
                              "background, or not (EngineConfig's option; unset: its auto rule)")
+    parser.add_argument("--quick-skeleton", action=argparse.BooleanOptionalAction,
+                        help="compile the skeleton without autotuning and autotune it in the "
+                             "background, or not (EngineConfig's option; unset: its auto rule)")
+    parser.add_argument("--decode-speed", action="store_true",
+                        help="after the ladder is complete, time decode steps at batch 1 and 64")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
