@@ -99,6 +99,10 @@ GAUGES: dict[str, tuple[str, str]] = {
     "buckets_total": (
         "tokenspeed_buckets_capacity",
         "Buckets of every ladder, ready or still compiling in the background."),
+    "plans_untuned": (
+        "tokenspeed_plans_untuned",
+        "Quick skeleton plans (compiled without autotuning) still serving until their autotuned "
+        "ones land."),
 }
 
 
