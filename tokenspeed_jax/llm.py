@@ -81,7 +81,10 @@ class LLM:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: next-token logits after each prefix of ``token_ids``,
         from the reference forward (the model's plain jitted forward over a dense cache, on the
-        same weights and mesh), not from the engine's compiled plans."""
+        same weights and mesh), not from the engine's compiled plans. That forward is jitted
+        per prompt length rounded up to 16 tokens: the first call at such a length compiles it
+        (not one of the engine's cached executables; a declared compile, counted in
+        ``eager_compiles``, never in ``runtime_compiles``)."""
         ids = self._encode(token_ids)
         self.engine.check_prompt(ids)
         return self.reference.logits(ids)
