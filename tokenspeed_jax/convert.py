@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="HF directory, GGUF file, or 'default'")
     parser.add_argument("dst", help="output directory")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="weight dtype to write: auto = the checkpoint's")
+                        help="weight dtype to write: auto = float32 on the CPU, bfloat16 on an "
+                             "accelerator")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the conversion already in DST")
     args = parser.parse_args(argv)
