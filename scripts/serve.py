@@ -125,9 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     fields = {field.name: field for field in dataclasses.fields(EngineConfig)}
     grouped = [name for names in FLAG_GROUPS.values() for name in names]
     if sorted(grouped) != sorted(fields):
+        odd = sorted(n for n in grouped if grouped.count(n) > 1 or n not in fields)
         raise RuntimeError(f"FLAG_GROUPS must hold every EngineConfig field once: missing "
-                           f"{sorted(set(fields) - set(grouped))}, unknown or repeated "
-                           f"{sorted(n for n in grouped if grouped.count(n) > 1 or n not in fields)}")
+                           f"{sorted(set(fields) - set(grouped))}, unknown or repeated {odd}")
     for title, names in FLAG_GROUPS.items():
         group = parser.add_argument_group(title)
         for name in names:

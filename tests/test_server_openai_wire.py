@@ -199,6 +199,7 @@ def test_unknown_field_is_a_400_naming_it(client):
     assert body["param"] == "frobnicate" and "frobnicate" in body["message"]
 
 
+TOOL_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 CHAT_REFUSED = [
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
@@ -214,8 +215,7 @@ CHAT_REFUSED = [
     ("messages.0.content.1", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, IMAGE]}]}),
     ("messages.1.tool_calls", {"messages": HELLO + [{"role": "assistant", "content": None,
-                                                     "tool_calls": [{"id": "c", "type": "function",
-                                                                     "function": {"name": "f", "arguments": "{}"}}]}]}),
+                                                     "tool_calls": [TOOL_CALL]}]}),
 ]
 
 

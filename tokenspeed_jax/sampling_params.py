@@ -10,9 +10,10 @@ ignoring top_p, top_k, min_p and seed; ``top_k`` -1 or 0 means off and is stored
 share.
 
 Ranges are those of OpenAI's API where it defines one (penalties in [-2, 2], ``logprobs`` at most
-20, ``n`` at most 128, ``logit_bias`` values in [-100, 100] on at most 300 tokens) and otherwise what float32 arithmetic on the logits keeps meaningful: a
-temperature or repetition penalty is 0 / at least ``MIN_SCALE`` and at most ``MAX_SCALE``, so
-dividing or scaling a logit by it never overflows or divides by a value that rounds to zero.
+20, ``n`` at most 128, ``logit_bias`` values in [-100, 100] on at most 300 tokens) and otherwise
+what float32 arithmetic on the logits keeps meaningful: a temperature or repetition penalty is
+0 / at least ``MIN_SCALE`` and at most ``MAX_SCALE``, so dividing or scaling a logit by it never
+overflows or divides by a value that rounds to zero.
 Limits that depend on the model (``top_k``, stop token ids and ``logit_bias`` token ids within the
 vocabulary) are checked by the engine when the request is added. ``logit_bias`` is stored as a
 tuple of (token id, bias) pairs sorted by token id, one pair per token, whether it was given as a

@@ -15,10 +15,11 @@ Invariants:
 
 Order of operations on a sampled row: penalties, logit bias, temperature, top-k, top-p (over the
 distribution left by top-k), min-p, then a categorical draw. Greedy rows (temperature 0) take the
-argmax after penalties and logit bias. A bias is added to the logit as given (no clamping), so a
-bias of +100 / -100 forces / forbids a token whenever the row's logits span less than 100 after
-the temperature, as a model's logits do. Truncation keeps every token whose score reaches a per-row threshold, so tokens tied
-exactly at the threshold are all kept.
+argmax after penalties and logit bias. A bias is added to the logit as given (no clamping): where
+a row's logits span less than 100 (a model's do), +100 makes a token the argmax and -100 takes it
+out of the running, and a sampled row then draws it (or, under +100, any other token) with a
+probability of at most V * exp(-(100 - span) / temperature). Truncation keeps every token whose
+score reaches a per-row threshold, so tokens tied exactly at the threshold are all kept.
 
 Top-k and top-p look at the ``top_k_cap`` best tokens of each row (``lax.top_k`` with a static
 size, not a full sort). Consequences of a cap smaller than the vocabulary: ``top_k`` above the
