@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import uvicorn
 
 from tokenspeed_jax.config import EngineConfig
@@ -80,6 +81,12 @@ class Reference:
         prompts = [prompts] if isinstance(prompts, str) else prompts
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._generator.generate(ids, [params] * len(ids))
+
+    def log_probs(self, token_ids) -> np.ndarray:
+        """f32[len(token_ids), V]: the next-token log-probabilities after each prefix."""
+        logits = self._generator.logits(list(token_ids)).astype(np.float64)
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
     def chat(self, messages, params):
         return self.generate(

@@ -223,3 +223,24 @@ def test_the_default_key_file_is_under_the_config_directory(tmp_path, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_key_file() == str(tmp_path / ".config" / "tokenspeed_jax" / "cache.key")
     assert EngineConfig().compile_cache_key_file is None
+
+
+def test_cli_list_shows_what_tells_apart_entries_of_one_bucket(tmp_path, capsys):
+    """The same plan compiled with two XLA option sets: two entries per bucket, which the
+    listing tells apart by their compiler options, and only by them."""
+    directory = tmp_path / "cache"
+    options = ({}, {"xla_cpu_enable_fast_math": True})
+    for option_set in options:
+        compiler = PlanCompiler(progress=False, cache=ExecutableCache(directory, load_mac_key()),
+                                compiler_options=option_set)
+        for rows in ROWS:
+            compiler.add(f"rows={rows}", PLAN,
+                         {"x": jax.ShapeDtypeStruct((rows, WIDTH), jnp.float32)})
+        compiler.compile_all()
+    assert cache_cli.main(["list", "--dir", str(directory)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if " shift " in line]
+    assert len(rows) == 2 * len(ROWS)
+    shown = sorted(re.search(r"\[(.*)\]$", line).group(1) for line in rows)
+    expected = sorted(f"compiler_options={json.dumps(sorted(o.items()))}"
+                      for o in options for _ in ROWS)
+    assert shown == expected

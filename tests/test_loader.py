@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -227,6 +229,31 @@ def test_convert_cli_writes_a_loadable_dir_with_tokenizer(tmp_path: Path):
     assert_same_state(converted.model, original.model)
     text = "hello world"
     assert converted.tokenizer.encode(text) == original.tokenizer.encode(text)
+    # a second conversion into the same directory: refused, then done with --overwrite
+    assert convert_main([str(src), str(tmp_path / "out")]) == 2
+    assert convert_main([str(src), str(tmp_path / "out"), "--overwrite"]) == 0
+    assert_same_state(load_model(tmp_path / "out", dtype="float32").model, original.model)
+
+
+@pytest.mark.parametrize("case", ["missing source", "existing destination"])
+def test_convert_cli_errors_are_one_line_and_exit_2(tmp_path: Path, case: str):
+    """As a user runs it (a child process): one line naming the path, status 2, nothing
+    written."""
+    src, dst = tmp_path / "nowhere", tmp_path / "out"
+    if case == "existing destination":
+        src = GOLDEN / "tiny_qwen3"
+        dst.mkdir()
+        (dst / "notes.txt").write_text("keep me")
+    run = subprocess.run([sys.executable, "-m", "tokenspeed_jax.convert", str(src), str(dst)],
+                         check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert str(src if case == "missing source" else dst) in lines[0]
+    if case == "missing source":
+        assert "does not exist" in lines[0] and not dst.exists()
+    else:
+        assert "--overwrite" in lines[0] and [p.name for p in dst.iterdir()] == ["notes.txt"]
 
 
 # --- the embedded SmolLM2 -------------------------------------------------------------------

@@ -9,15 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tokenspeed_jax.engine.batch import StepRequest
 from tokenspeed_jax.engine.sampler import (
     SamplingArrays,
     apply_penalties,
+    dense_logit_bias,
     sample,
     seed_key_data,
     top_logprobs,
 )
-from tokenspeed_jax.engine.sampling_plans import step_output
-from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.engine.sampling_plans import Resampler, needs_full_sampler, step_output
+from tokenspeed_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
 
 sample_jit = jax.jit(sample, static_argnames="top_k_cap")
 
@@ -284,3 +286,81 @@ def test_step_output_joins_in_step_and_full_sampler_rows_in_order() -> None:
     np.testing.assert_array_equal(out.logprobs, np.float32([-0.25, -0.5, -1.5]))
     np.testing.assert_array_equal(out.top_token_ids, [[3, 4], [0, 0], [0, 0]])
     np.testing.assert_array_equal(out.top_logprobs, np.float32([[-0.25, -2.0], [0, 0], [0, 0]]))
+
+
+def np_dense_bias(pairs_per_row, vocab: int) -> np.ndarray:
+    bias = np.zeros((len(pairs_per_row), vocab), np.float32)
+    for row, pairs in enumerate(pairs_per_row):
+        for token, value in pairs:
+            bias[row, token] += value
+    return bias
+
+
+def test_logit_bias_is_added_before_temperature_and_logprobs_stay_unbiased() -> None:
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(3, 40)).astype(np.float32)
+    biases = [((3, 4.0), (7, -2.5)), ((0, 1.5),), ()]
+    ids = np.zeros((3, 4), np.int32)
+    values = np.zeros((3, 4), np.float32)
+    for row, pairs in enumerate(biases):
+        for entry, (token, value) in enumerate(pairs):
+            ids[row, entry], values[row, entry] = token, value
+    dense = np.asarray(dense_logit_bias(jnp.asarray(ids), jnp.asarray(values), 40))
+    np.testing.assert_array_equal(dense, np_dense_bias(biases, 40))
+    rows = [(SamplingParams(temperature=0.0), 0)] * 3
+    tokens, logprobs = sample_jit(jnp.asarray(logits), SamplingArrays.from_params(rows),
+                                  None, jnp.asarray(dense))
+    np.testing.assert_array_equal(np.asarray(tokens), (logits + dense).argmax(axis=-1))
+    np.testing.assert_allclose(np.asarray(logprobs),
+                               np_log_softmax(logits)[np.arange(3), np.asarray(tokens)],
+                               rtol=1e-5, atol=1e-5)
+    # sampled: the distribution is that of (logits + bias) / temperature
+    params = SamplingParams(temperature=0.7, seed=11)
+    bias_row = np_dense_bias([((1, 2.0), (4, -1.0))], LOGITS.size)[0]
+    arrays = SamplingArrays.from_params([(params, i) for i in range(NUM_DRAWS)])
+    tiled = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (NUM_DRAWS, LOGITS.size))
+    drawn, _ = sample_jit(tiled, arrays, None, jnp.broadcast_to(bias_row, tiled.shape))
+    freq = np.bincount(np.asarray(drawn), minlength=LOGITS.size) / NUM_DRAWS
+    assert_matches_distribution(freq, reference_distribution(LOGITS + bias_row, params),
+                                NUM_DRAWS)
+
+
+def step_request(params: SamplingParams, output: list[int]) -> StepRequest:
+    return StepRequest("r", np.array([1], np.int32), 0, np.zeros(1, np.int32), True, params,
+                       output_token_ids=output)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_resampler_bias_of_100_forces_and_minus_100_forbids(temperature: float) -> None:
+    """Through the full sampler as the engine runs it (padded rows, packed metadata): +100 on a
+    token the logits rank last makes it every row's token, -100 on the argmax removes it."""
+    rng = np.random.default_rng(6)
+    vocab, rows = 64, 8
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 4
+    worst, best = logits.argmin(axis=-1), logits.argmax(axis=-1)
+    forced = [SamplingParams(temperature=temperature, seed=i,
+                             logit_bias={int(worst[i]): 100}) for i in range(3)]
+    banned = [SamplingParams(temperature=temperature, seed=i, logit_bias={int(best[i]): -100})
+              for i in range(3, 6)]
+    requests = [step_request(p, [2, 2]) for p in forced + banned]
+    assert all(needs_full_sampler(p) for p in forced + banned)
+    resampler = Resampler(vocab)
+    out = resampler.finish(requests, rows, jnp.zeros((rows, 2), jnp.int32), jnp.asarray(logits),
+                           eager=True)
+    tokens = step_output([out]).token_ids
+    np.testing.assert_array_equal(tokens[:3], worst[:3])
+    assert not np.any(tokens[3:6] == best[3:6])
+    if temperature == 0.0:  # greedy: the next best token
+        second = np.argsort(-logits, axis=-1)[:, 1]
+        np.testing.assert_array_equal(tokens[3:6], second[3:6])
+
+
+def test_logit_bias_is_checked_and_normalised() -> None:
+    assert SamplingParams(logit_bias={9: 1, 2: -3.5}).logit_bias == ((2, -3.5), (9, 1.0))
+    assert SamplingParams(logit_bias=[(4, 100)]).logit_bias == ((4, 100.0),)
+    for bad, match in [({1: 100.5}, "100"), ({1: float("nan")}, "finite"), ({-1: 1}, ">= 0|0,"),
+                       ({"a": 1}, "integer"), ([(1, 1), (1, 2)], "twice"), ("ab", "map"),
+                       ({i: 1 for i in range(MAX_LOGIT_BIAS + 1)}, str(MAX_LOGIT_BIAS))]:
+        with pytest.raises(SamplingParamsError, match=match) as error:
+            SamplingParams(logit_bias=bad)
+        assert error.value.param == "logit_bias"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -15,17 +16,52 @@ from collections.abc import Iterator
 import httpx
 from serving import Reference, free_port, greedy
 
+from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.models.loader import DTYPES
+
 MODEL_DIR = "tests/golden/tiny_llama"
 SERVE = [sys.executable, "scripts/serve.py"]
 
 
-def test_help_documents_every_config_flag():
+def help_sections(text: str) -> dict[str, dict[str, str]]:
+    """``--help`` output as section title -> flag -> help text (the usage block left out)."""
+    sections: dict[str, dict[str, str]] = {}
+    flags: dict[str, str] = {}
+    flag = None
+    for line in text.split("\n\n", 2)[2].splitlines():
+        if line and not line.startswith(" "):
+            flags = sections.setdefault(line.rstrip(":"), {})
+        elif match := re.match(r"  (--?[\w-]+)(.*?)(?:  +(\S.*))?$", line):
+            flag = match.group(1)
+            flags[flag] = f"{match.group(2)} || {match.group(3) or ''}"
+        elif line.strip() and flag is not None:
+            flags[flag] += " " + line.strip()
+    return sections
+
+
+def test_help_lists_every_config_flag_in_sections_with_typed_placeholders():
     out = subprocess.run([*SERVE, "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--prefill-graph-max-tokens", "--chunked-prefill-size", "--max-num-seqs",
-                 "--decode-graph-max-bs", "--enforce-eager", "--num-pages", "--mem-fraction",
-                 "--no-enable-prefix-caching"):
-        assert flag in out
-    assert "Most requests running" in out  # the field's own comment is the help text
+    sections = help_sections(out)
+    titles = list(sections)
+    assert titles[:3] == ["options", "model", "server"]
+    assert titles.index("scheduling and KV cache") < titles.index("kernels") < \
+        titles.index("executable cache") < titles.index("parallelism")
+    flags = {flag: text for section in sections.values() for flag, text in section.items()}
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in flags, flag
+        placeholder, description = flags[flag].split(" || ")
+        assert len(description.replace("(default:", "").split()) > 3, flag  # help, not a name
+        assert "VALUE" not in placeholder.split(), flag  # the old untyped placeholder
+    assert "--model" in sections["model"] and "--port" in sections["server"]
+    assert "--max-num-seqs" in sections["scheduling and KV cache"]
+    assert "Most requests running" in flags["--max-num-seqs"]  # the field's own comment
+    assert "--no-disable" not in out and "--no-enforce" not in out
+    assert "--disable-prefill-graph" in out and "--no-compile-cache" in out
+    # the dtype choices are the loader's, and its help says what "auto" picks
+    assert flags["--dtype"].startswith(" {auto," + ",".join(DTYPES) + "}")
+    assert "CPU" in flags["--dtype"] and "bfloat16" in flags["--dtype"]
+    assert "--log-level" in sections["server"] and "(default: info)" in flags["--log-level"]
 
 
 def test_bad_flag_value_is_reported():
@@ -91,6 +127,10 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0():
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 40
         assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
         assert process.wait(timeout=60) == 0
+        # the default log level shows one line per finished request
+        assert re.search(r"request cmpl-\w+-0 finished: 3 prompt tokens, 40 output tokens, "
+                         r"TTFT [\d.]+s, latency [\d.]+s, finish reason length",
+                         process.stdout.read())
 
 
 def test_sigterm_ends_requests_still_running_at_the_deadline_then_exits_0():

@@ -26,7 +26,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs",
           "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "ignore_eos", "stream", "stream_options", "add_generation_prompt", "user", "role",
-          "content"]
+          "content", "logit_bias", "response_format", "tools", "tool_choice", "modalities",
+          "audio", "echo", "suffix", "best_of", "metadata", "tool_calls", "refusal"]
 
 # any code point, lone surrogates included (JSON's \\udXXX escapes can carry them)
 texts = st.text(st.characters(exclude_categories=()), max_size=20)

@@ -1,6 +1,8 @@
 """Inspect and manage the on-disk executable cache (``graph/cache.py``).
 
     python -m tokenspeed_jax.cache list   [--dir DIR]   # entries: segment, bucket, size, age
+                                                        # and what tells apart entries of one
+                                                        # segment and bucket
     python -m tokenspeed_jax.cache verify [--dir DIR] [--key-file FILE] [--delete]
                                                         # MACs + compatibility
     python -m tokenspeed_jax.cache clear  [--dir DIR]
@@ -16,7 +18,10 @@ deserializes an executable. A cache directory or key file the server would refus
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,6 +45,40 @@ def human_age(seconds: float) -> str:
         if seconds >= length:
             return f"{int(seconds // length)}{unit}"
     return f"{int(seconds)}s"
+
+
+SHOWN_CHARS = 40  # a key part's value longer than this is shown as a short digest
+
+
+def _shown(value: object) -> str:
+    """A key part's value for a listing: as JSON when short, else an 8-digit digest of it."""
+    if isinstance(value, str) and value.startswith("sha256:"):
+        return "#" + value.removeprefix("sha256:")[:8]
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= SHOWN_CHARS else "#" + hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def distinguishing(infos: Sequence[EntryInfo]) -> dict[Path, str]:
+    """For entries that share a segment and a bucket: the parts of their keys' descriptions that
+    differ within that group, as ``part=value`` of each entry (entries alone in their group, or
+    without a readable description, get nothing)."""
+    groups: dict[tuple, list[tuple[Path, dict]]] = defaultdict(list)
+    for info in infos:
+        header = info.header or {}
+        if isinstance(header.get("description"), dict):
+            groups[header.get("segment"), header.get("bucket")].append(
+                (info.path, header["description"]))
+    shown = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        names = dict.fromkeys(name for _, description in group for name in description)
+        differing = [name for name in names
+                     if len({_shown(d.get(name)) for _, d in group}) > 1]
+        for path, description in group:
+            shown[path] = " ".join(f"{name}={_shown(description.get(name))}"
+                                   for name in differing)
+    return shown
 
 
 def _row(info: EntryInfo) -> str:
@@ -86,8 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if infos:
         print(_title())
     bad = 0
+    apart = distinguishing(infos)
     for info in infos:
         line = _row(info)
+        if info.path in apart:
+            line += f"  [{apart[info.path]}]"
         if args.command == "verify":
             line += f"  {'ok' if info.problem is None else 'BAD: ' + info.problem}"
         elif info.problem is not None:

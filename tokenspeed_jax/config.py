@@ -117,7 +117,8 @@ class EngineConfig:
     # ---- serving: engine loop and HTTP server (owned by the engine/server) ----
     # The model: an HF directory, a GGUF file or an orbax directory; None = embedded SmolLM2.
     model: str | None = None
-    # Weight and compute dtype ("auto" = the checkpoint's, "float32", "bfloat16", ...).
+    # Weight and compute dtype: "float32", "bfloat16", or "auto" = float32 on the CPU and
+    # bfloat16 on an accelerator (the checkpoint's weights are cast to it on load).
     dtype: str = "auto"
     # Most requests running (holding KV pages) at once; more wait in the queue.
     max_num_seqs: int = 64

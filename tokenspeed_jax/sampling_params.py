@@ -10,11 +10,14 @@ ignoring top_p, top_k, min_p and seed; ``top_k`` -1 or 0 means off and is stored
 share.
 
 Ranges are those of OpenAI's API where it defines one (penalties in [-2, 2], ``logprobs`` at most
-20, ``n`` at most 128) and otherwise what float32 arithmetic on the logits keeps meaningful: a
-temperature or repetition penalty is 0 / at least ``MIN_SCALE`` and at most ``MAX_SCALE``, so
-dividing or scaling a logit by it never overflows or divides by a value that rounds to zero.
-Limits that depend on the model (``top_k`` and stop token ids within the vocabulary) are checked
-by the engine when the request is added.
+20, ``n`` at most 128, ``logit_bias`` values in [-100, 100] on at most 300 tokens) and otherwise
+what float32 arithmetic on the logits keeps meaningful: a temperature or repetition penalty is
+0 / at least ``MIN_SCALE`` and at most ``MAX_SCALE``, so dividing or scaling a logit by it never
+overflows or divides by a value that rounds to zero.
+Limits that depend on the model (``top_k``, stop token ids and ``logit_bias`` token ids within the
+vocabulary) are checked by the engine when the request is added. ``logit_bias`` is stored as a
+tuple of (token id, bias) pairs sorted by token id, one pair per token, whether it was given as a
+mapping or as pairs.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import dataclasses
 import math
 import numbers
 import secrets
+from collections.abc import Iterable, Mapping
 
 MAX_N = 128  # OpenAI's limit on samples per prompt
 MAX_LOGPROBS = 20  # OpenAI's limit on top log-probabilities per token
 INT32_MAX = 2**31 - 1  # top_k and max_tokens travel as int32
 UINT64_MAX = 2**64 - 1  # seeds become two uint32 key words
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on biased tokens per request
+MAX_BIAS = 100.0  # OpenAI's range of one bias: [-100, 100]
 MIN_SCALE = 1e-5  # smallest non-zero temperature / repetition penalty (below it logits overflow)
 MAX_SCALE = 1e5  # largest temperature / repetition penalty
 
@@ -72,6 +78,28 @@ def _scale(name: str, value: object, *, zero_allowed: bool) -> float:
     return value
 
 
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping or pairs of token id -> bias, checked, as pairs sorted by token id."""
+    pairs = list(value.items()) if isinstance(value, Mapping) else value
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+        raise SamplingParamsError("logit_bias", f"logit_bias must map token ids to biases, got "
+                                                f"{value!r}")
+    pairs = list(pairs)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError("logit_bias", f"logit_bias holds {len(pairs)} tokens; at most "
+                                                f"{MAX_LOGIT_BIAS} are allowed")
+    checked = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise SamplingParamsError("logit_bias", f"logit_bias entries must be (token id, "
+                                                    f"bias) pairs, got {pair!r}")
+        token = _integer("logit_bias", pair[0], 0, INT32_MAX)
+        if token in checked:
+            raise SamplingParamsError("logit_bias", f"logit_bias names token {token} twice")
+        checked[token] = _number("logit_bias", pair[1], -MAX_BIAS, MAX_BIAS)
+    return tuple(sorted(checked.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -88,6 +116,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     n: int = 1
     logprobs: int | None = None  # number of top log-probabilities to return per token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -112,6 +141,7 @@ class SamplingParams:
             "n": _integer("n", self.n, 1, MAX_N),
             "logprobs": None if self.logprobs is None
             else _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS),
+            "logit_bias": _logit_bias(self.logit_bias),
         }
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError("ignore_eos",

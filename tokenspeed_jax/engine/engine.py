@@ -170,10 +170,12 @@ class Engine:
         if params.top_k > vocab:
             raise SamplingParamsError("top_k", f"top_k must be at most the vocabulary size "
                                                f"{vocab} (0 or -1 = off), got {params.top_k}")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise SamplingParamsError("stop_token_ids", f"stop_token_ids {bad[:5]} are outside "
-                                                        f"the vocabulary of {vocab}")
+        for param, ids in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise SamplingParamsError(param, f"{param} token ids {bad[:5]} are outside the "
+                                                 f"vocabulary of {vocab}")
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams

@@ -13,10 +13,13 @@ Invariants:
 * Reported log-probabilities are those of the *unmodified* logits (``log_softmax(logits)``), as
   OpenAI reports them, whatever penalties, temperature or truncation chose the token.
 
-Order of operations on a sampled row: penalties, temperature, top-k, top-p (over the distribution
-left by top-k), min-p, then a categorical draw. Greedy rows (temperature 0) take the argmax after
-penalties. Truncation keeps every token whose score reaches a per-row threshold, so tokens tied
-exactly at the threshold are all kept.
+Order of operations on a sampled row: penalties, logit bias, temperature, top-k, top-p (over the
+distribution left by top-k), min-p, then a categorical draw. Greedy rows (temperature 0) take the
+argmax after penalties and logit bias. A bias is added to the logit as given (no clamping): where
+a row's logits span less than 100 (a model's do), +100 makes a token the argmax and -100 takes it
+out of the running, and a sampled row then draws it (or, under +100, any other token) with a
+probability of at most V * exp(-(100 - span) / temperature). Truncation keeps every token whose
+score reaches a per-row threshold, so tokens tied exactly at the threshold are all kept.
 
 Top-k and top-p look at the ``top_k_cap`` best tokens of each row (``lax.top_k`` with a static
 size, not a full sort). Consequences of a cap smaller than the vocabulary: ``top_k`` above the
@@ -140,6 +143,13 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, arrays: SamplingArrays
     )
 
 
+def dense_logit_bias(ids: jax.Array, values: jax.Array, vocab_size: int) -> jax.Array:
+    """f32[B, V] from a sparse per-row bias: ``values`` f32[B, E] added at token ``ids`` i32[B, E].
+    Unused entries carry value 0 (any id), so they change nothing."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.zeros((ids.shape[0], vocab_size), jnp.float32).at[rows, ids].add(values)
+
+
 def truncation_threshold(
     scores: jax.Array, arrays: SamplingArrays, top_k_cap: int | None
 ) -> jax.Array:
@@ -192,17 +202,20 @@ def sample(
     logits: jax.Array,
     arrays: SamplingArrays,
     counts: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     top_k_cap: int | None = DEFAULT_TOP_K_CAP,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row of ``logits`` f32[B, V]: (token ids i32[B], their log-probs f32[B]).
 
-    ``counts`` i32[B, V] (how often each token was already generated) enables the penalties.
+    ``counts`` i32[B, V] (how often each token was already generated) enables the penalties;
+    ``bias`` f32[B, V] is added to the logits after them.
     """
     if top_k_cap is not None and top_k_cap < 0:
         raise ValueError(f"{top_k_cap=} must be >= 0 or None")
     logits = logits.astype(jnp.float32)
     scores = logits if counts is None else apply_penalties(logits, counts, arrays)
+    scores = scores if bias is None else scores + bias
     greedy = arrays.temperature <= 0.0
     scores = scores / jnp.where(greedy, 1.0, arrays.temperature)[:, None]
     threshold = truncation_threshold(scores, arrays, top_k_cap)

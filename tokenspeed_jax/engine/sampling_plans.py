@@ -4,10 +4,13 @@ A runner's head (or whole decode step) ends with the *in-step* sampler, ``fast_s
 temperature, min-p, seeds and greedy rows, but no top-k/top-p truncation and no top
 log-probabilities, so it never sorts over the vocabulary (``lax.top_k``'s sort was one of a
 decode step's main device costs). The head also returns its logits as fp32
-``[rows, V]``. When a sampled request needs more (``needs_full_sampler``: penalties, truncation
-of a sampled row, top log-probabilities), ``Resampler`` runs the *full* sampler on those logits:
-one compiled plan per row bucket, plus a penalized one that also takes ``counts i32[rows, V]``
-of each request's output tokens (built on the host).
+``[rows, V]``. When a request needs more (``needs_full_sampler``: penalties, logit bias,
+truncation of a sampled row, top log-probabilities), ``Resampler`` runs the *full* sampler on
+those logits: one compiled plan per row bucket, plus a *penalized* one for batches with a penalty
+or a logit bias, which also takes ``counts i32[rows, V]`` of each request's output tokens (built
+on the host) and each row's logit bias as ``MAX_LOGIT_BIAS`` (token id, bias) entries. The bias
+is an input array like the other settings, so a new bias never compiles anything, and the plain
+plan (the common one: top-p, top-k, log-probabilities) carries none of it.
 
 Invariants:
 
@@ -31,9 +34,15 @@ import numpy as np
 
 from tokenspeed_jax.engine.batch import StepOutput, StepRequest, split_decode_rows
 from tokenspeed_jax.engine.packed import Packed
-from tokenspeed_jax.engine.sampler import SamplingArrays, sample, settings_columns, top_logprobs
+from tokenspeed_jax.engine.sampler import (
+    SamplingArrays,
+    dense_logit_bias,
+    sample,
+    settings_columns,
+    top_logprobs,
+)
 from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, abstract, run_eager
-from tokenspeed_jax.sampling_params import SamplingParams
+from tokenspeed_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
 FAST_SAMPLE_WIDTH = 2  # columns of the in-step sampler's rows: token id, log-prob bits
@@ -42,10 +51,15 @@ RESAMPLE_LABELS = {False: "resample", True: "penalized-resample"}  # by ``penali
 
 
 def needs_full_sampler(params: SamplingParams) -> bool:
-    """Whether a request needs more than the in-step sampler: penalties, top-k or top-p
-    truncation of a sampled row, or top log-probabilities."""
+    """Whether a request needs more than the in-step sampler: penalties, a logit bias, top-k or
+    top-p truncation of a sampled row, or top log-probabilities."""
     truncates = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
-    return params.has_penalties or truncates or bool(params.logprobs)
+    return needs_penalized_plan(params) or truncates or bool(params.logprobs)
+
+
+def needs_penalized_plan(params: SamplingParams) -> bool:
+    """Whether a request needs the penalized full sampler: penalties or a logit bias."""
+    return params.has_penalties or bool(params.logit_bias)
 
 
 def settings_rows(requests: Sequence[StepRequest]) -> list[tuple[SamplingParams, int]]:
@@ -84,6 +98,18 @@ def output_counts(requests: Sequence[StepRequest], rows: int, vocab_size: int) -
     return counts
 
 
+def logit_bias_fields(requests: Sequence[StepRequest], rows: int) -> dict[str, np.ndarray]:
+    """Each request's logit bias as ``MAX_LOGIT_BIAS`` entries per row: token ids i32 and biases
+    f32, unused entries (and padding rows) with bias 0."""
+    ids = np.zeros((rows, MAX_LOGIT_BIAS), np.int32)
+    values = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+    for row, request in enumerate(requests):
+        bias = request.params.logit_bias
+        if bias:
+            ids[row, :len(bias)], values[row, :len(bias)] = zip(*bias)
+    return {"logit_bias.ids": ids, "logit_bias.values": values}
+
+
 def fast_sample(sampling: SamplingArrays, logits: jax.Array) -> jax.Array:
     """The in-step sampler: i32[rows, FAST_SAMPLE_WIDTH] of token id and log-prob bits."""
     token_ids, logprobs = sample(logits, sampling, top_k_cap=0)
@@ -91,8 +117,13 @@ def fast_sample(sampling: SamplingArrays, logits: jax.Array) -> jax.Array:
 
 
 def full_sample(meta: Mapping[str, jax.Array], logits: jax.Array) -> jax.Array:
-    """The full sampler: i32[rows, 2 + 2k]; penalties apply when ``meta`` holds ``counts``."""
-    token_ids, logprobs = sample(logits, unpack_sampling(meta), meta.get("counts"))
+    """The full sampler: i32[rows, 2 + 2k]; penalties and logit bias apply when ``meta`` holds
+    ``counts`` and the ``logit_bias_fields``."""
+    bias = None
+    if "logit_bias.ids" in meta:
+        bias = dense_logit_bias(meta["logit_bias.ids"], meta["logit_bias.values"],
+                                logits.shape[-1])
+    token_ids, logprobs = sample(logits, unpack_sampling(meta), meta.get("counts"), bias)
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     top_values, top_ids = top_logprobs(logits, k)
     as_words = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
@@ -178,12 +209,13 @@ class Resampler:
     def meta(self, requests: Sequence[StepRequest], rows: int,
              penalized: bool | None = None) -> tuple[bool, dict]:
         """(whether the penalized plan runs, its packed metadata). ``penalized`` None: exactly
-        when a request has a penalty."""
+        when a request has a penalty or a logit bias."""
         if penalized is None:
-            penalized = any(r.params.has_penalties for r in requests)
+            penalized = any(needs_penalized_plan(r.params) for r in requests)
         fields = sampling_fields(sampling_arrays(requests, rows))
         if penalized:
             fields["counts"] = output_counts(requests, rows, self.vocab_size)
+            fields.update(logit_bias_fields(requests, rows))
         return penalized, {"penalized-sample" if penalized else "sample": Packed.of(fields)}
 
     def finish(self, requests: Sequence[StepRequest], rows: int, sampled: jax.Array,

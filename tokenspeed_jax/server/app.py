@@ -10,6 +10,9 @@ Invariants:
   drains for shutdown, every API route answers 503.
 * A client that disconnects, mid-stream or while waiting for a full response, aborts its engine
   requests, so their KV pages are freed at the next engine step.
+* Every engine request is named ``{response id}-{choice index}`` and logs one info line when it
+  ends (tokens, time to first token, latency, finish reason); a field with no meaning on this
+  server is noted in the log the first time a request sets it.
 * Bad input is answered with a 4xx in the one error shape of ``errors``; it never reaches the
   engine loop, so other requests are unaffected. A request that fails after it started fails
   alone: a stream ends with an error event and ``[DONE]``, a full response is an error.
@@ -129,11 +132,18 @@ def create_app(state: ServerState, config: EngineConfig | None = None) -> FastAP
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    noted: set[str] = set()  # ignored fields already noted in the log
+
     async def generate(body, request: Request, prompts_of, params_of, formatter_type,
                        id_prefix: str, prompt_field: str):
         engine = ready_engine(body.model)
         tokenizer = engine.engine.tokenizer
         params = params_of(body, config.max_stop_strings)
+        for name in translate.ignored_fields(body):
+            if name not in noted:
+                noted.add(name)
+                logger.info("ignoring the field %r: it has no meaning on this server (noted "
+                            "once)", name)
         prompts = await asyncio.to_thread(prompts_of, tokenizer, body,
                                           max_model_len=engine.engine.max_model_len)
         formatter = formatter_type(
@@ -168,9 +178,9 @@ def _engine_reading(state: ServerState) -> EngineReading | None:
     return EngineReading(state.engine.alive, {**runner, **state.engine.engine.stats()})
 
 
-def _start(
-    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, param_name: str
-) -> list[_Choice]:
+def _start(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+           param_name: str, response_id: str) -> list[_Choice]:
+    """One engine request per (prompt, sample), ``{response_id}-{choice index}`` each."""
     try:
         engine.engine.check_params(params)
     except SamplingParamsError as error:
@@ -186,7 +196,7 @@ def _start(
         for j in range(params.n):
             choices.append(_Choice(
                 index=i * params.n + j,
-                request_id=uuid.uuid4().hex,
+                request_id=f"{response_id}-{i * params.n + j}",
                 prompt_ids=prompt_ids,
                 params=child_params(params, j),
                 arrival=time.monotonic(),
@@ -213,14 +223,16 @@ async def _merged(
             await events.put(error)
         finally:
             finished = last is not None and last.finished
-            metrics.observe_request(
-                finish_reason=last.finish_reason if finished else "abort",
-                num_prompt_tokens=len(choice.prompt_ids),
-                num_output_tokens=last.num_output_tokens if last is not None else 0,
-                arrival=choice.arrival,
-                first_token=choice.first_token,
-                end=time.monotonic(),
-            )
+            record = {
+                "finish_reason": last.finish_reason if finished else "abort",
+                "num_prompt_tokens": len(choice.prompt_ids),
+                "num_output_tokens": last.num_output_tokens if last is not None else 0,
+                "arrival": choice.arrival,
+                "first_token": choice.first_token,
+                "end": time.monotonic(),
+            }
+            metrics.observe_request(**record)
+            _log_finished(choice.request_id, **record)
             events.put_nowait(None)
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
@@ -238,6 +250,16 @@ async def _merged(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _log_finished(request_id: str, *, finish_reason: str, num_prompt_tokens: int,
+                  num_output_tokens: int, arrival: float, first_token: float | None,
+                  end: float) -> None:
+    """The one log line of a finished engine request."""
+    ttft = "-" if first_token is None else f"{first_token - arrival:.3f}s"
+    logger.info("request %s finished: %d prompt tokens, %d output tokens, TTFT %s, latency "
+                "%.3fs, finish reason %s", request_id, num_prompt_tokens, num_output_tokens,
+                ttft, end - arrival, finish_reason)
 
 
 def _api_error(error: Exception) -> APIError:
@@ -262,7 +284,7 @@ async def _respond(
     formatter: translate.Formatter,
     param_name: str,
 ):
-    choices = _start(engine, prompts, params, param_name)
+    choices = _start(engine, prompts, params, param_name, formatter.id)
     usage_prompt = sum(len(p) for p in prompts)
     if stream:
         return StreamingResponse(

@@ -13,6 +13,7 @@ Invariants:
 * An engine loop that fails (a fault of no single request) has logged its traceback and failed
   every request in flight with a 503; the server then shuts down as above and the status is 1, so
   a supervisor restarts it. A start-up failure is status 1 as well.
+* uvicorn's access log is off: the app logs one info line per finished request instead.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def serve(config: EngineConfig, *, log_level: str = "warning",
 
     server = DrainingServer(
         uvicorn.Config(create_app(state, config), host=config.host, port=config.port,
-                       log_level=log_level,
+                       log_level=log_level, access_log=False,
                        timeout_graceful_shutdown=config.shutdown_timeout + CLOSE_GRACE_SECONDS),
         drain_seconds=config.shutdown_timeout, on_drain=drain, on_deadline=end_in_flight)
 

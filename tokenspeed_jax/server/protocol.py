@@ -1,16 +1,20 @@
 """Wire schemas of the OpenAI-compatible API, one pydantic model per wire object.
 
 Request fields follow the order of OpenAI's API reference; engine-only extras (vLLM-style) sit in
-a labelled block after them. Requests forbid unknown fields, so a typo is a 400 rather than a
+a labelled block after them (``ENGINE_EXTRAS``). A request model accepts every field OpenAI's
+request schema defines: ``translate`` serves it, refuses it by name where the value asks for what
+this server cannot do (audio, images, tools), or ignores it with a note in the log where it has
+no meaning here (``IGNORED``). Requests forbid every other field, so a typo is a 400 rather than a
 silently ignored knob, and a body whose text is not valid Unicode (a lone surrogate from a
-``\\udXXX`` escape) is a 400 before any of it reaches a tokenizer. Responses are plain models
+``\\udXXX`` escape) is a 400 before any of it reaches a tokenizer. A known top-level field sent
+as null takes its default. Responses are plain models
 serialised as-is.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -59,46 +63,103 @@ class _Body(_Request):
                              f"Unicode text")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """A known field sent as null takes its default, as OpenAI's API reads it."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; chunks carry no obfuscation padding
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``text`` parts are served (``translate`` refuses
+    the others by name), so the other kinds' own fields are let through unparsed."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: str | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    # an assistant message as the API returned it (``message.model_dump()``); ``translate``
+    # refuses non-null audio, function_call and tool_calls
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: list[Any] | None = None
+    # a tool message
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Body):
+    # Fields the API defines that have no meaning on this server: accepted, noted in the log.
+    IGNORED: ClassVar[tuple[str, ...]] = (
+        "moderation", "parallel_tool_calls", "prediction", "prompt_cache_key",
+        "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "service_tier",
+        "store", "verbosity")
+    ENGINE_EXTRAS: ClassVar[frozenset[str]] = frozenset({
+        "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+        "add_generation_prompt"})
+
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
+    audio: Any = None
     frequency_penalty: float = 0.0
+    function_call: Any = None
+    functions: list[Any] | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: bool = False
     max_completion_tokens: int | None = None
     max_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    moderation: Any = None
     n: int = 1
+    parallel_tool_calls: bool | None = None
+    prediction: Any = None
     presence_penalty: float = 0.0
+    prompt_cache_key: str | None = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    response_format: ResponseFormat | None = None
+    safety_identifier: str | None = None
     seed: int | None = None
+    service_tier: str | None = None
     stop: str | list[str] | None = None
+    store: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = 1.0
+    tool_choice: Any = None
+    tools: list[Any] | None = None
     top_logprobs: int | None = None
     top_p: float = 1.0
     user: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
     # engine extras
     top_k: int = 0
     min_p: float = 0.0
@@ -109,9 +170,16 @@ class ChatCompletionRequest(_Body):
 
 
 class CompletionRequest(_Body):
+    IGNORED: ClassVar[tuple[str, ...]] = ()
+    ENGINE_EXTRAS: ClassVar[frozenset[str]] = frozenset({
+        "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"})
+
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool = False
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     logprobs: int | None = None
     max_tokens: int | None = 16
     n: int = 1
@@ -120,6 +188,7 @@ class CompletionRequest(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    suffix: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     user: str | None = None

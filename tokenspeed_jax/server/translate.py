@@ -1,10 +1,13 @@
 """Pure conversions between wire objects and the engine: prompts, sampling params, responses.
 
 Nothing here touches the engine or the network, so each conversion is testable alone. Bad values
-raise ``APIError`` (400) naming the field. Caps hold before any costly work: a request asks for at
-most ``MAX_CHOICES`` completions (prompts x n), gives at most ``max_stop_strings`` stop strings of
-at most ``MAX_STOP_CHARS`` characters, and a text that cannot fit the context even at the
-tokenizer's most characters per token is refused before it is tokenized.
+raise ``APIError`` (400) naming the field, and so do values of OpenAI fields that ask for what
+this server cannot do (``check_chat_supported``, ``check_completion_supported``: audio, images,
+tools, insertion); the fields that have no meaning here are listed by ``ignored_fields`` for the
+log. Caps hold before any costly work: a request asks for at most ``MAX_CHOICES`` completions
+(prompts x n), gives at most ``max_stop_strings`` stop strings of at most ``MAX_STOP_CHARS``
+characters, and a text that cannot fit the context even at the tokenizer's most characters per
+token is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -41,8 +44,25 @@ MAX_CHOICES = 128  # completions one request may ask for: prompts x n (OpenAI's 
 MAX_STOP_CHARS = 1024  # characters of one stop string
 
 
+def _bad(message: str, param: str) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
+def _logit_bias(body: ChatCompletionRequest | CompletionRequest) -> tuple[tuple[int, float], ...]:
+    """The wire's {"token id": bias} as (id, bias) pairs; ``SamplingParams`` checks the rest."""
+    pairs = []
+    for key, bias in (body.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise _bad(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                       "logit_bias")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
+
+
 def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
             logprobs: int | None, max_stop_strings: int) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise _bad("stream_options is only allowed with stream=true", "stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > max_stop_strings:
         raise APIError(HTTPStatus.BAD_REQUEST, f"stop holds {len(stop)} strings; this server "
@@ -66,23 +86,103 @@ def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
             repetition_penalty=body.repetition_penalty,
             n=body.n,
             logprobs=logprobs,
+            logit_bias=_logit_bias(body),
         )
     except SamplingParamsError as error:
         raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param) from error
 
 
 def chat_params(body: ChatCompletionRequest, max_stop_strings: int) -> SamplingParams:
+    check_chat_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs=true",
-                       param="top_logprobs")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
+        raise _bad("top_logprobs needs logprobs=true", "top_logprobs")
+    both = (body.max_tokens, body.max_completion_tokens)
+    if None not in both and both[0] != both[1]:
+        raise _bad(f"max_completion_tokens ({both[1]}) and its older name max_tokens "
+                   f"({both[0]}) disagree; give one", "max_completion_tokens")
+    max_tokens = body.max_tokens if body.max_completion_tokens is None \
+        else body.max_completion_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _params(body, max_tokens, logprobs, max_stop_strings)
 
 
 def completion_params(body: CompletionRequest, max_stop_strings: int) -> SamplingParams:
+    check_completion_supported(body)
     return _params(body, body.max_tokens, body.logprobs, max_stop_strings)
+
+
+def _unless_none(value: object) -> bool:
+    return value is not None
+
+
+def _unless_empty(value: object) -> bool:
+    return bool(value)
+
+
+def _unless_none_choice(value: object) -> bool:
+    return value not in (None, "none")
+
+
+NOT_YET = "is not yet supported by this server"
+# field -> (whether a value is refused, why), for each OpenAI field whose values this server
+# serves only in part
+CHAT_REFUSED = {
+    "audio": (_unless_none, "audio output is not supported: this server generates text"),
+    "functions": (_unless_empty, f"function calling {NOT_YET}"),
+    "function_call": (_unless_none_choice, f"function calling {NOT_YET}"),
+    "modalities": (lambda m: m is not None and m != ["text"],
+                   'only the "text" output modality is supported'),
+    "response_format": (lambda f: f is not None and f.type != "text",
+                        f'structured output (response_format other than "text") {NOT_YET}'),
+    "tools": (_unless_empty, f"tool calling {NOT_YET}"),
+    "tool_choice": (_unless_none_choice, f'tool calling {NOT_YET} (tool_choice "none" only)'),
+    "web_search_options": (_unless_none, "web search is not supported"),
+}
+MESSAGE_REFUSED = {
+    "audio": (_unless_none, "audio in messages is not supported"),
+    "function_call": (_unless_none, f"function calls in messages {NOT_YET}"),
+    "tool_calls": (_unless_empty, f"tool calls in messages {NOT_YET}"),
+}
+COMPLETION_REFUSED = {
+    "suffix": (_unless_empty, ("suffix (insertion between a prompt and a suffix) is not "
+                              "supported")),
+}
+
+
+def _refuse(refused: dict, item: object, prefix: str = "") -> None:
+    for field, (is_refused, why) in refused.items():
+        if is_refused(getattr(item, field)):
+            raise _bad(f"{prefix}{field}: {why}", f"{prefix}{field}")
+
+
+def check_chat_supported(body: ChatCompletionRequest) -> None:
+    """Refuse, naming the field, a chat request that asks for more than text in, text out."""
+    _refuse(CHAT_REFUSED, body)
+    for i, message in enumerate(body.messages):
+        _refuse(MESSAGE_REFUSED, message, f"messages.{i}.")
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            where = f"messages.{i}.content.{j}"
+            if part.type != "text":
+                raise _bad(f"{where}: {part.type} content parts are not supported: this server "
+                           f"serves a text-only model", where)
+            if part.text is None:
+                raise _bad(f"{where}: a text content part needs its text", where)
+
+
+def check_completion_supported(body: CompletionRequest) -> None:
+    """Refuse, naming the field, a completion request this server cannot serve as asked."""
+    _refuse(COMPLETION_REFUSED, body)
+    if body.best_of is not None and body.best_of != body.n:
+        raise _bad(f"best_of={body.best_of} other than n={body.n} is not supported (each "
+                   "sample is returned)", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise _bad("echo with logprobs is not supported (prompt log-probabilities are not "
+                   "computed)", "echo")
+
+
+def ignored_fields(body: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    """The fields ``body`` sets that have no meaning on this server (accepted, then ignored)."""
+    return [name for name in body.IGNORED if name in body.model_fields_set]
 
 
 def check_fits(tokenizer: Tokenizer, chars: int, max_model_len: int, param: str) -> None:
@@ -117,13 +217,7 @@ def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, *, max_mo
 def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest, *,
                           max_model_len: int) -> list[list[int]]:
     """The prompts of a completion request (a string, token ids, or a list of either)."""
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+    prompts = _prompt_list(body)
     if not prompts:
         raise APIError(HTTPStatus.BAD_REQUEST, "prompt must not be empty", param="prompt")
     check_choices(len(prompts), body.n)
@@ -137,6 +231,14 @@ def completion_prompt_ids(tokenizer: Tokenizer, body: CompletionRequest, *,
     return ids
 
 
+def _prompt_list(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts, each a string or a list of token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]
+    return list(prompt)
+
+
 def check_choices(num_prompts: int, n: int) -> None:
     """Refuse a request for more than ``MAX_CHOICES`` completions."""
     if num_prompts * n > MAX_CHOICES:
@@ -146,6 +248,7 @@ def check_choices(num_prompts: int, n: int) -> None:
 
 
 class Formatter(Protocol):
+    id: str
     include_usage: bool
 
     def opening(self, indices: list[int]) -> list[dict]: ...
@@ -228,8 +331,25 @@ class ChatFormatter(_Base):
 
 
 class CompletionFormatter(_Base):
+    """With ``echo``, each choice's text starts with its prompt's text: the prompt as given, or
+    its token ids decoded."""
+
+    def __init__(self, response_id: str, model: str, tokenizer: Tokenizer,
+                 body: CompletionRequest):
+        super().__init__(response_id, model, tokenizer, body)
+        self.n = body.n
+        self.echoed = [p if isinstance(p, str) else tokenizer.decode(p)
+                       for p in _prompt_list(body)] if body.echo else None
+
+    def echo(self, index: int) -> str:
+        return "" if self.echoed is None else self.echoed[index // self.n]
+
     def opening(self, indices: list[int]) -> list[dict]:
-        return []
+        if self.echoed is None:
+            return []
+        return [TextCompletion(id=self.id, model=self.model,
+                               choices=[CompletionChoice(index=i, text=self.echo(i))]).model_dump()
+                for i in indices]
 
     def logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         tokens = [self.token_text(e.token_id) for e in entries]
@@ -265,7 +385,7 @@ class CompletionFormatter(_Base):
             entries = [e for o in outs for e in (o.logprobs or [])]
             choices.append(CompletionChoice(
                 index=index,
-                text="".join(o.new_text for o in outs),
+                text=self.echo(index) + "".join(o.new_text for o in outs),
                 logprobs=self.logprobs(entries, 0) if any(o.logprobs for o in outs) else None,
                 finish_reason=outs[-1].finish_reason if outs else "abort",
             ))
