@@ -7,7 +7,20 @@ row or position is padding: it writes nothing and its output is zeros.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+
+# The small latent cache both kernels' tests use: every width a power of 2 >= 16 (Triton-legal),
+# 4-token pages, page tables 7 pages wide (no multiple of the kernels' pages per key block).
+RANK, ROPE = 32, 16
+PAGE = 4
+WIDTH = 7
+SCALE = 0.3
+
+
+def random_arrays(rng, dtype, *shapes) -> list[np.ndarray]:
+    """Standard-normal numpy arrays of ``shapes``, their values rounded to ``dtype``."""
+    return [np.asarray(jnp.asarray(rng.standard_normal(shape), dtype)) for shape in shapes]
 
 
 def write_by_hand(pages, rows, tables, token_request, positions) -> np.ndarray:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import mla_checks as hand
 import numpy as np
 import pytest
-from mla_checks import attention_by_hand, distinct_tables, write_by_hand
+from mla_checks import PAGE, RANK, ROPE, SCALE, WIDTH
 
 from tokenspeed_jax.kernels.mla_decode import (
     MLADecodeBlocks,
@@ -24,11 +25,7 @@ from tokenspeed_jax.kernels.mla_decode import (
 )
 from tokenspeed_jax.models.mla import paged_latent_decode, write_latent
 
-RANK, ROPE = 32, 16
-PAGE = 4
 NUM_PAGES = 40
-WIDTH = 7  # page-table width: not a multiple of pages_per_block
-SCALE = 0.3
 BLOCKS = MLADecodeBlocks(pages_per_block=4)  # 16-key blocks
 # Per batch size, the positions: inside a page, on a page's last (19) and first (4, 8, 16) row,
 # 0 (the new row is the whole context), padding (-1).
@@ -38,19 +35,18 @@ POSITIONS = {1: [13], 4: [9, 19, 0, -1], 7: [4, 8, 23, 3, -1, 16, 1]}
 def decode_inputs(rng, batch: int, num_heads: int, dtype=jnp.float32):
     """q, the step's latent rows, the pages, page tables and positions (numpy, in ``dtype``)."""
     positions = np.array(POSITIONS[batch], np.int32)
-    tables = distinct_tables(rng, np.maximum(positions + 1, 0), num_pages=NUM_PAGES,
+    tables = hand.distinct_tables(rng, np.maximum(positions + 1, 0), num_pages=NUM_PAGES,
                              page_size=PAGE, width=WIDTH)
-    q, latent, pages = (np.asarray(jnp.asarray(rng.standard_normal(shape), dtype))
-                        for shape in ((batch, num_heads, RANK + ROPE), (batch, RANK + ROPE),
-                                      (NUM_PAGES, PAGE, RANK + ROPE)))
+    q, latent, pages = hand.random_arrays(rng, dtype, (batch, num_heads, RANK + ROPE),
+                                     (batch, RANK + ROPE), (NUM_PAGES, PAGE, RANK + ROPE))
     return q, latent, pages, tables, positions
 
 
 def expected(q, latent, pages, tables, positions):
     """(output [B, H, R], pages) by hand."""
     requests = np.arange(len(positions))
-    written = write_by_hand(pages, latent, tables, requests, positions)
-    return attention_by_hand(q, written, tables, requests, positions, scale=SCALE,
+    written = hand.write_by_hand(pages, latent, tables, requests, positions)
+    return hand.attention_by_hand(q, written, tables, requests, positions, scale=SCALE,
                              rank=RANK), written
 
 

@@ -116,15 +116,9 @@ def _mla_decode_kernel(
             jnp.where(takes_new, new_score * (scale * LOG2E), -jnp.inf),
             jnp.where(takes_new, jnp.ones((block_h,), f32), 0.0))
 
-    def key_block(index, carry):
-        pages = page_tables_ref[request, pl.ds(index * pages_per_block, pages_per_block)]
-        c = pages_ref[pages, :, latent_cols].reshape(block_k, rank)
-        k_rope = pages_ref[pages, :, rope_cols].reshape(block_k, rope_dim)
-        scores = dot_nt(q_lat, c, precision) + dot_nt(q_rope, k_rope, precision)
-        key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, (block_h, block_k), 1)
-        scores = jnp.where(key_pos < cached, scores * (scale * LOG2E), MASK_VALUE)
-        return online_softmax_update(scores, c, carry, precision)
-
+    key_block = functools.partial(
+        latent_softmax_step, q_lat, q_rope, pages_ref, page_tables_ref, request, cached,
+        scale=scale, pages_per_block=pages_per_block, precision=precision)
     num_blocks = pl.cdiv(cached, block_k)
     per_split = pl.cdiv(num_blocks, splits)
     first = split * per_split
@@ -138,6 +132,23 @@ def _mla_decode_kernel(
         pages_out_ref[page, row, rope_cols] = k_new.astype(pages_out_ref.dtype)
 
     store_split_result(result_refs, carry, split=split, request=request, heads=heads)
+
+
+def latent_softmax_step(q_lat, q_rope, pages_ref, page_tables_ref, table_row, limit, index,
+                        carry, *, scale: float, pages_per_block: int, precision):
+    """Key block ``index`` of flash attention over latent rows read through page-table row
+    ``table_row``: query rows ``q_lat [rows, R]`` and ``q_rope [rows, r]`` against the block's
+    latent and rope columns, keys at positions < ``limit`` (a scalar or ``[rows, 1]``) visible,
+    values the latent columns; ``carry`` as ``kernel_math.online_softmax_step``'s."""
+    rank, rope_dim = q_lat.shape[1], q_rope.shape[1]
+    block_k = pages_per_block * pages_ref.shape[1]
+    pages = page_tables_ref[table_row, pl.ds(index * pages_per_block, pages_per_block)]
+    c = pages_ref[pages, :, pl.ds(0, rank)].reshape(block_k, rank)
+    k_rope = pages_ref[pages, :, pl.ds(rank, rope_dim)].reshape(block_k, rope_dim)
+    scores = dot_nt(q_lat, c, precision) + dot_nt(q_rope, k_rope, precision)
+    key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    scores = jnp.where(key_pos < limit, scores * (scale * LOG2E), MASK_VALUE)
+    return online_softmax_update(scores, c, carry, precision)
 
 
 def _check_shapes(q, latent, pages, page_tables, positions, kv_lora_rank: int) -> None:
@@ -217,11 +228,20 @@ def mla_split_count(batch: int, num_heads: int,
 
 def mla_decode_problem(*, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: jnp.dtype,
                        blocks: MLADecodeBlocks = MLADecodeBlocks()) -> str | None:
-    """Why the kernel cannot run this latent cache shape, or None when it can: each part of a
-    row must be a Triton block a dot takes (a power of 2 >= 16), and so must a key block."""
-    if page_size * blocks.pages_per_block < MIN_DOT_DIM:
-        return (f"page_size={page_size} x pages_per_block={blocks.pages_per_block} < "
-                f"{MIN_DOT_DIM}")
+    """Why the kernel cannot run this latent cache shape, or None when it can
+    (``latent_cache_problem``)."""
+    return latent_cache_problem(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                                page_size=page_size, dtype=dtype,
+                                pages_per_block=blocks.pages_per_block)
+
+
+def latent_cache_problem(*, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: jnp.dtype,
+                         pages_per_block: int) -> str | None:
+    """Why a Triton-lowered kernel cannot read this latent cache in key blocks of
+    ``pages_per_block`` pages, or None: each part of a row must be a block a dot takes (a power
+    of 2 >= 16), and so must a key block."""
+    if page_size * pages_per_block < MIN_DOT_DIM:
+        return f"page_size={page_size} x pages_per_block={pages_per_block} < {MIN_DOT_DIM}"
     for name, columns in (("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
         problem = paged_cache_problem(head_dim=columns, page_size=page_size, dtype=dtype)
         if problem is not None:
