@@ -194,10 +194,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--tiny", action="store_true", help="small shapes, interpreted (CPU)")
     args = parser.parse_args()
+    shape = TINY if args.tiny else Shape()
     if not args.tiny and jax.default_backend() != "gpu":
         parser.error("the Kimi-Linear shapes need a GPU; --tiny runs small shapes on the CPU")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    shape = TINY if args.tiny else Shape()
     print_table(run_within_budget(items(shape, interpret=args.tiny), args.budget_s, args.out,
                                   "bench_mla_attention.jsonl"))
 
