@@ -56,9 +56,12 @@ class Shape:
     decode: tuple = ((1, 1024), (32, 1024), (64, 1024), (1, 8192), (32, 8192), (64, 8192))
     prefill: tuple = (("T=2048", ((0, 2048),)), ("T=8192", ((0, 8192),)),
                       ("T=2048 ctx=4096", ((4096, 2048),)), ("4x2048", ((0, 2048),) * 4))
+    decode_variant_case: tuple = (1, 8192)  # (batch, context) the other knobs are timed at
+    prefill_variant_case: int = 1  # the index in ``prefill`` of the case they are timed at
     decode_variants: tuple = (MLADecodeBlocks(block_h=32, num_warps=8),
                               MLADecodeBlocks(pages_per_block=4, num_warps=8),
-                              MLADecodeBlocks(pages_per_block=1), MLADecodeBlocks(num_warps=8))
+                              MLADecodeBlocks(pages_per_block=1), MLADecodeBlocks(num_warps=8),
+                              MLADecodeBlocks(most_splits=4), MLADecodeBlocks(most_splits=32))
     prefill_variants: tuple = (MLAPrefillBlocks(32, 1, 2, 8), MLAPrefillBlocks(16, 4, 2, 8),
                                MLAPrefillBlocks(64, 1, 2, 8), MLAPrefillBlocks(16, 2, 4, 4))
 
@@ -69,6 +72,7 @@ class Shape:
 
 TINY = Shape(heads=4, rank=32, rope=16, page=4, decode=((1, 40), (3, 70)),
              prefill=(("T=40", ((0, 40),)), ("T=24 ctx=40", ((40, 24),))),
+             decode_variant_case=(1, 40),
              decode_variants=(MLADecodeBlocks(pages_per_block=8),),
              prefill_variants=(MLAPrefillBlocks(16, 1, 4),))
 
@@ -110,7 +114,7 @@ def decode_row(shape: Shape, batch: int, context: int, blocks: MLADecodeBlocks, 
     jax.block_until_ready(kernel())
     row = {"item": "decode", "case": f"bs={batch} ctx={context}",
            "blocks": f"h{blocks.block_h}/p{blocks.pages_per_block}/w{blocks.num_warps}"
-                     f"/s{blocks.num_stages}", "splits": splits,
+                     f"/s{blocks.num_stages}/m{blocks.most_splits}", "splits": splits,
            "first_call_s": round(time.perf_counter() - start, 2), "kernel_ms": wall_ms(kernel)}
     read = batch * ((context + 1) * shape.width + shape.heads * (shape.width + shape.rank)) * 2
     row["floor_ms"] = read / HBM_BYTES_PER_S * 1e3
@@ -163,12 +167,12 @@ def items(shape: Shape, interpret: bool) -> list:
     out += [lambda label=label, r=requests: prefill_row(shape, label, r, prefill_defaults,
                                                         interpret, True)
             for label, requests in shape.prefill]
-    batch, context = shape.decode[0]
+    batch, context = shape.decode_variant_case
     for blocks in shape.decode_variants:
         splits = mla_split_count(batch, shape.heads, blocks)
         out.append(lambda bl=blocks, s=splits: decode_row(shape, batch, context, bl, s,
                                                           interpret, False))
-    label, requests = shape.prefill[1]
+    label, requests = shape.prefill[shape.prefill_variant_case]
     out += [lambda bl=blocks: prefill_row(shape, label, requests, bl, interpret, False)
             for blocks in shape.prefill_variants]
     return out

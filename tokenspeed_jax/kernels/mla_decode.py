@@ -65,7 +65,10 @@ class MLADecodeBlocks:
 
     block_h: int = 16  # query heads per program: the rows of its dots (a power of 2 >= 16)
     pages_per_block: int = 2  # pages per key block; block_k = pages_per_block * page_size >= 16
-    most_splits: int = 8  # the most splits of a request's pages (``mla_split_count``)
+    # The most splits of a request's pages (``mla_split_count``). A request has only
+    # cdiv(H, block_h) programs unsplit (a GQA request has one per KV head), so it takes more
+    # splits than the fused GQA kernel's 4 to spread a long context over the SMs.
+    most_splits: int = 16
     num_warps: int = 4
     num_stages: int = 2
 
