@@ -7,9 +7,12 @@ row or position is padding: it writes nothing and its output is zeros.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The latent cache of Kimi-Linear and DeepSeek-V3 (R, r), with the engine's 16-token pages.
+MODEL_RANK, MODEL_ROPE, MODEL_PAGE = 512, 64, 16
 # The small latent cache both kernels' tests use: every width a power of 2 >= 16 (Triton-legal),
 # 4-token pages, page tables 7 pages wide (no multiple of the kernels' pages per key block).
 RANK, ROPE = 32, 16
@@ -61,3 +64,11 @@ def distinct_tables(rng, lengths, *, num_pages: int, page_size: int, width: int)
         count = -(-length // page_size)
         tables[row, :count], free = free[:count], free[count:]
     return tables
+
+
+def triton_kernels(fn, *shapes) -> int:
+    """How many Triton kernels ``fn`` (jitted here) lowers to for a CUDA GPU, lowered on this
+    machine: the Pallas-to-Triton lowering runs, so what it rejects (a block that is not a power
+    of 2, an unsupported operation) raises here; Triton's own compilation runs only on a GPU."""
+    lowered = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    return lowered.as_text().count("xla.gpu.triton")

@@ -135,6 +135,27 @@ def test_split_count_fills_the_gpu_at_small_batches():
     assert mla_split_count(2, 128, MLADecodeBlocks(block_h=32)) == 16  # 8 programs: 16 fill
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_heads,splits,blocks", [
+    (32, 1, MLADecodeBlocks()), (32, 16, MLADecodeBlocks()), (128, 4, MLADecodeBlocks()),
+    (8, 16, MLADecodeBlocks()),  # fewer heads than a block (a tensor-parallel shard)
+    (32, 16, MLADecodeBlocks(block_h=32, num_warps=8)),
+    (32, 16, MLADecodeBlocks(pages_per_block=4)), (32, 16, MLADecodeBlocks(pages_per_block=1)),
+])
+def test_lowers_to_one_triton_kernel_at_the_model_shape(num_heads, splits, blocks, dtype):
+    """The kernel for the GPU at R = 512, r = 64, 16-token pages: Pallas lowers it to Triton IR
+    (on this machine, ``mla_checks.triton_kernels``) with the default knobs and the others the
+    benchmark times."""
+    width = hand.MODEL_RANK + hand.MODEL_ROPE
+    spec = jax.ShapeDtypeStruct
+    shapes = (spec((8, num_heads, width), dtype), spec((8, width), dtype),
+              spec((512, hand.MODEL_PAGE, width), dtype), spec((8, 33), jnp.int32),
+              spec((8,), jnp.int32))
+    assert hand.triton_kernels(lambda *a: mla_decode(
+        *a, scale=SCALE, kv_lora_rank=hand.MODEL_RANK, splits=splits, blocks=blocks,
+        interpret=False), *shapes) == 1
+
+
 def test_problems_are_named():
     shape = {"kv_lora_rank": 512, "rope_dim": 64, "page_size": 16, "dtype": jnp.bfloat16}
     assert mla_decode_problem(**shape) is None

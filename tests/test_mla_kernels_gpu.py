@@ -26,7 +26,7 @@ from tokenspeed_jax.kernels.paged_prefill_attention import prefill_work
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")]
 
-RANK, ROPE, PAGE = 512, 64, 16
+RANK, ROPE, PAGE = hand.MODEL_RANK, hand.MODEL_ROPE, hand.MODEL_PAGE
 SCALE = 192 ** -0.5  # (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 of both families
 NUM_PAGES = 1024
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}

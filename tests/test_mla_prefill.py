@@ -11,6 +11,7 @@ prompt in two steps, the second chunk reading the rows the first one wrote.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import mla_checks as hand
 import numpy as np
@@ -133,6 +134,26 @@ def test_bucket_smaller_than_a_query_block():
     np.testing.assert_allclose(got, hand.attention_by_hand(q, written, tables, token_request,
                                                       positions, scale=SCALE, rank=RANK),
                                rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("num_heads,blocks", [
+    (32, MLAPrefillBlocks()), (128, MLAPrefillBlocks()), (4, MLAPrefillBlocks(32, 1, 2, 8)),
+    (32, MLAPrefillBlocks(16, 4, 2, 8)), (32, MLAPrefillBlocks(64, 1, 2, 8)),
+    (32, MLAPrefillBlocks(16, 2, 4, 4)),
+])
+def test_lowers_to_one_triton_kernel_at_the_model_shape(num_heads, blocks, dtype):
+    """The kernel for the GPU at R = 512, r = 64, 16-token pages: Pallas lowers it to Triton IR
+    (on this machine, ``mla_checks.triton_kernels``) with the default knobs and the others the
+    benchmark times; 4 heads is a tensor-parallel shard."""
+    width = hand.MODEL_RANK + hand.MODEL_ROPE
+    spec = jax.ShapeDtypeStruct
+    shapes = (spec((1000, num_heads, width), dtype),
+              spec((512, hand.MODEL_PAGE, width), dtype), spec((6, 40), jnp.int32),
+              spec((1000,), jnp.int32), spec((80, 4), jnp.int32))
+    assert hand.triton_kernels(lambda *a: mla_prefill(
+        *a, scale=SCALE, kv_lora_rank=hand.MODEL_RANK, blocks=blocks, interpret=False),
+        *shapes) == 1
 
 
 def test_problems_and_bad_inputs_are_named():
