@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +56,12 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
     REFERENCE,
+    check_pallas_or_reference,
+    log_reference_once,
     paged_cache_problem,
     pallas_runs,
     shard_by_kv_head,
 )
-
-logger = logging.getLogger(__name__)
 
 REFERENCE_CHUNK_SLOTS = 256  # key slots per step of the reference's loop over a row's pages
 WORK_FIELDS = 4  # row, first token, end token, live keys
@@ -93,8 +92,7 @@ class PrefillKernel:
     mesh: Mesh | None = None  # run the Pallas kernel per shard of the KV heads over this mesh
 
     def __post_init__(self) -> None:
-        if self.backend not in (PALLAS, REFERENCE):
-            raise ValueError(f"backend={self.backend!r} must be {PALLAS!r} or {REFERENCE!r}")
+        check_pallas_or_reference(self.backend)
 
 
 REFERENCE_PREFILL = PrefillKernel(REFERENCE)
@@ -344,15 +342,9 @@ def choose_prefill_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
     more devices takes the reference (module docstring)."""
     problem = prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
     if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
-                       log=_log_reference_once):
+                       log=functools.partial(log_reference_once, "prefill attention")):
         return REFERENCE_PREFILL
     return PrefillKernel(PALLAS, mesh=mesh)
-
-
-@functools.cache
-def _log_reference_once(reason: str) -> None:
-    logger.warning("prefill attention uses the plain-JAX reference: the Pallas kernel cannot "
-                   "run here: %s", reason)
 
 
 def paged_prefill_attention(
