@@ -122,6 +122,19 @@ def run_and_record(measure, label: dict, out: pathlib.Path | None, log_name: str
     return row
 
 
+def run_within_budget(items, budget_s: float, out: pathlib.Path | None,
+                      log_name: str) -> list[dict]:
+    """The rows of ``items`` (measurements, run in order through ``run_and_record``); once
+    ``budget_s`` seconds have passed, each one left is a skipped row."""
+    rows, start = [], time.perf_counter()
+    for item in items:
+        if time.perf_counter() - start > budget_s:
+            rows.append({"item": "skipped (budget)"})
+            continue
+        rows.append(run_and_record(item, {}, out, log_name))
+    return rows
+
+
 def causal_flops(requests) -> float:
     """2 dots of 2 * Dh flops per (query head, query, visible key)."""
     pairs = sum(new * cached + new * (new + 1) // 2 for cached, new in requests)
@@ -164,12 +177,7 @@ def main() -> None:
     items += [lambda c=c: timing(c, TIMED[c], PrefillBlocks(), True) for c in TIMED]
     items += [lambda b=b, c=c: timing(c, TIMED[c], b, False)
               for b in VARIANTS for c in VARIANT_CASES]
-    rows, start = [], time.perf_counter()
-    for item in items:
-        if time.perf_counter() - start > args.budget_s:
-            rows.append({"item": "skipped (budget)"})
-            continue
-        rows.append(run_and_record(item, {}, args.out, "bench_prefill_attention.jsonl"))
+    rows = run_within_budget(items, args.budget_s, args.out, "bench_prefill_attention.jsonl")
     nan = float("nan")
     print(f"\n{'case':<18} {'blocks':<14} {'compile s':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
           f"{'ref ms':>9} {'rel err':>9}")

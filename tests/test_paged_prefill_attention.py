@@ -255,7 +255,7 @@ def _sharded_kernel(mesh_size: int) -> dict:
 def _choices() -> dict:
     """``choose_prefill_kernel`` with meshes: the backend and mesh size it picks, and what it
     logged."""
-    from tokenspeed_jax.kernels import paged_prefill_attention as module
+    from tokenspeed_jax.kernels import paged_attention_backend as module  # the one that logs
     from tokenspeed_jax.parallel import make_mesh
 
     logged = []

@@ -46,11 +46,18 @@ def online_softmax_step(q, k_pages_ref, v_pages_ref, pages, visible, carry, *, s
     query rows ``q [rows, Dh]``, where ``visible [rows, block_k]``. ``carry`` is (unnormalised
     output [rows, Dh], running maximum, running sum [rows]) in base 2 (scores times log2(e)); a
     masked score is ``MASK_VALUE``, finite, so a row that sees nothing stays NaN-free."""
-    acc, row_max, row_sum = carry
     block_k, head_dim = pages.shape[0] * k_pages_ref.shape[1], k_pages_ref.shape[-1]
     k = k_pages_ref[pages].reshape(block_k, head_dim)
     v = v_pages_ref[pages].reshape(block_k, head_dim)
     scores = jnp.where(visible, dot_nt(q, k, precision) * (scale * LOG2E), MASK_VALUE)
+    return online_softmax_update(scores, v, carry, precision)
+
+
+def online_softmax_update(scores, v, carry, precision):
+    """Fold one key block into the running flash-attention state: ``scores [rows, block_k]``
+    already scaled to base 2 and masked (``MASK_VALUE``), values ``v [block_k, Dv]``, ``carry``
+    as in ``online_softmax_step``."""
+    acc, row_max, row_sum = carry
     new_max = jnp.maximum(row_max, scores.max(axis=1))
     correction = jnp.exp2(row_max - new_max)
     weights = jnp.exp2(scores - new_max[:, None])

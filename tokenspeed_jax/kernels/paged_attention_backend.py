@@ -80,6 +80,12 @@ class DecodeKernel:
                              f"power of 2 and k_splits={self.k_splits} >= 1")
 
 
+def check_pallas_or_reference(backend: str) -> None:
+    """ValueError unless ``backend`` is PALLAS or REFERENCE (the prefill kernels' choices)."""
+    if backend not in (PALLAS, REFERENCE):
+        raise ValueError(f"backend={backend!r} must be {PALLAS!r} or {REFERENCE!r}")
+
+
 REFERENCE_KERNEL = DecodeKernel(REFERENCE)
 # The fused kernel's knobs. It splits a request's pages only at small batches, up to k_splits
 # (paged_decode.fused_split_count).
@@ -151,6 +157,14 @@ def pallas_runs(shape_problem: str | None, *, platform: str | None, mesh: Mesh |
         log(reason)
         return False
     return True
+
+
+@functools.cache
+def log_reference_once(what: str, reason: str) -> None:
+    """Warn, once per ``what`` and ``reason``, that ``what`` (an attention) runs its plain-JAX
+    reference because its Pallas kernel cannot run here."""
+    logger.warning("%s uses the plain-JAX reference: the Pallas kernel cannot run here: %s",
+                   what, reason)
 
 
 def choose_decode_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,

@@ -120,8 +120,7 @@ def _decode_kernel(
     num_blocks = pl.cdiv(cached, block_k)
     per_split = pl.cdiv(num_blocks, splits)
     first = split * per_split
-    acc, row_max, row_sum = lax.fori_loop(
-        first, jnp.minimum(first + per_split, num_blocks), key_block, init)
+    carry = lax.fori_loop(first, jnp.minimum(first + per_split, num_blocks), key_block, init)
 
     @pl.when(takes_new)
     def _():
@@ -130,7 +129,16 @@ def _decode_kernel(
         k_out_ref[page, row, :] = k_new.astype(k_out_ref.dtype)
         v_out_ref[page, row, :] = v_new.astype(v_out_ref.dtype)
 
-    if splits == 1:
+    store_split_result(result_refs, carry, split=split, request=request, heads=heads)
+
+
+def store_split_result(result_refs, carry, *, split, request, heads) -> None:
+    """Store a decode program's flash-attention state ``carry`` (``online_softmax_step``'s) for
+    the query rows ``heads`` of ``request``: with one result ref ``o [B, Hq, Dv]`` (one split),
+    the normalised output; with three, ``acc [S, B, Hq, Dv]``, ``max`` and ``sum [S, B, Hq]``,
+    this split's unnormalised state for ``merge_splits``."""
+    acc, row_max, row_sum = carry
+    if len(result_refs) == 1:
         (o_ref,) = result_refs
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]  # padding rows: 0 / 1
         o_ref[request, heads, :] = out.astype(o_ref.dtype)

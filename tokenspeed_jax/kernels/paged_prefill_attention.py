@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +56,12 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
     REFERENCE,
+    check_pallas_or_reference,
+    log_reference_once,
     paged_cache_problem,
     pallas_runs,
     shard_by_kv_head,
 )
-
-logger = logging.getLogger(__name__)
 
 REFERENCE_CHUNK_SLOTS = 256  # key slots per step of the reference's loop over a row's pages
 WORK_FIELDS = 4  # row, first token, end token, live keys
@@ -93,8 +92,7 @@ class PrefillKernel:
     mesh: Mesh | None = None  # run the Pallas kernel per shard of the KV heads over this mesh
 
     def __post_init__(self) -> None:
-        if self.backend not in (PALLAS, REFERENCE):
-            raise ValueError(f"backend={self.backend!r} must be {PALLAS!r} or {REFERENCE!r}")
+        check_pallas_or_reference(self.backend)
 
 
 REFERENCE_PREFILL = PrefillKernel(REFERENCE)
@@ -164,12 +162,9 @@ def _prefill_kernel(
     pages_per_block: int,
     precision: lax.Precision,
 ):
-    item = pl.program_id(0)
-    row, first, end, keys = (work_ref[item, field] for field in range(WORK_FIELDS))
-    num_tokens, head_dim = q_ref.shape
+    row, first, end, keys, tokens = read_work_item(work_ref, q_ref.shape[0], block_q)
+    head_dim = q_ref.shape[1]
     block_k = pages_per_block * k_pages_ref.shape[1]
-    base = jnp.minimum(first, num_tokens - block_q)  # the block stays inside [0, T)
-    tokens = pl.ds(base, block_q)
     q = q_ref[tokens, :]
     query_pos = positions_ref[tokens]
     table_row = jnp.maximum(row, 0)
@@ -186,9 +181,24 @@ def _prefill_kernel(
             jnp.zeros((block_q,), jnp.float32))
     acc, _, row_sum = lax.fori_loop(0, pl.cdiv(keys, block_k), key_block, init)
     out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]  # padding items: 0 / 1
-    token = base + lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0)
+    store_item_tokens(o_ref, out, tokens, first, end)
+
+
+def read_work_item(work_ref, num_tokens: int, block_q: int):
+    """The program's work item (``program_id(0)``): row, first token, end token, live keys, and
+    its query block, ``block_q`` tokens (a ``pl.ds``) from a start kept inside
+    ``[0, num_tokens)``."""
+    row, first, end, keys = (work_ref[pl.program_id(0), field] for field in range(WORK_FIELDS))
+    base = jnp.minimum(first, num_tokens - block_q)
+    return row, first, end, keys, pl.ds(base, block_q)
+
+
+def store_item_tokens(o_ref, out, tokens, first, end) -> None:
+    """Store ``out [block_q, ...]`` into the rows ``tokens`` of ``o_ref`` that are the work
+    item's own (``first`` to ``end`` - 1); the block's other rows keep what they hold."""
+    token = tokens.start + lax.broadcasted_iota(jnp.int32, out.shape, 0)
     own = (token >= first) & (token < end)
-    pallas_backend.masked_store(o_ref.at[tokens, :], out.astype(o_ref.dtype), own)
+    pallas_backend.masked_store(o_ref.at[tokens], out.astype(o_ref.dtype), own)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret", "name"))
@@ -332,15 +342,9 @@ def choose_prefill_kernel(*, head_dim: int, page_size: int, dtype: jnp.dtype,
     more devices takes the reference (module docstring)."""
     problem = prefill_unsupported_reason(head_dim=head_dim, page_size=page_size, dtype=dtype)
     if not pallas_runs(problem, platform=platform, mesh=mesh, num_kv_heads=num_kv_heads,
-                       log=_log_reference_once):
+                       log=functools.partial(log_reference_once, "prefill attention")):
         return REFERENCE_PREFILL
     return PrefillKernel(PALLAS, mesh=mesh)
-
-
-@functools.cache
-def _log_reference_once(reason: str) -> None:
-    logger.warning("prefill attention uses the plain-JAX reference: the Pallas kernel cannot "
-                   "run here: %s", reason)
 
 
 def paged_prefill_attention(
