@@ -18,9 +18,10 @@ Invariants:
 * Bad input raises ``GrammarSpecError`` (a ``ValueError``) whose ``field`` is the dotted path of
   the offending field (``response_format.json_schema.schema``), so a server can answer 400 with
   that ``param``. Absent and ``None`` fields mean "not set".
-* ``source`` is canonical: a JSON schema (always an object; ``true`` becomes ``{}``) or choice list is JSON text with sorted keys, so two
-  requests with the same schema written in a different key order share one compiled grammar.
-  Equality and hashing ignore ``field`` for the same reason.
+* ``source`` is JSON text for a JSON schema (always an object; ``true`` becomes ``{}``) or a
+  choice list, in the order the client wrote it: the order of a schema's ``properties`` is the
+  order the output writes them, so it is part of the constraint. Equality and hashing ignore
+  ``field``, so one schema sent through different fields shares one compiled grammar.
 * ``strict`` (json_schema only) is the schema's ``strict`` flag: the schema is enforced either
   way, as vLLM and SGLang do; with ``strict`` a keyword the grammar library does not implement is
   an error, without it such keywords are ignored. OpenAI's ``json_schema`` defaults to
@@ -86,9 +87,7 @@ def json_schema_spec(
         raise GrammarSpecError(
             field, f"a JSON schema must be an object or a boolean, got {type(schema).__name__}"
         )
-    return GrammarSpec(
-        "json_schema", json.dumps(schema, sort_keys=True), field, strict=strict, compact=compact
-    )
+    return GrammarSpec("json_schema", json.dumps(schema), field, strict=strict, compact=compact)
 
 
 def _text_spec(kind: GrammarKind, value: Any, field: str) -> GrammarSpec:
