@@ -184,7 +184,10 @@ def test_rollback_restores_the_earlier_mask(compiler, tokenizer):
         matcher.advance(token)
     matcher.allowed_mask(after)
     assert not np.array_equal(before, after)
+    with pytest.raises(ValueError, match=f"num_tokens={len(tokens) + 1}: {len(tokens)} advanced"):
+        matcher.rollback(len(tokens) + 1)
     matcher.rollback(len(tokens) - 3)
+    assert matcher.num_advanced == 3
     again = full_bitmask(1, compiler.vocab_size)[0]
     matcher.allowed_mask(again)
     np.testing.assert_array_equal(again, before)
@@ -254,3 +257,21 @@ def test_without_strict_unsupported_keywords_are_ignored(compiler, tokenizer, st
     assert not spec.strict
     text = sample_under_mask(compiler, tokenizer, spec, structural, 0)
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_every_end_of_sequence_id_ends_the_grammar():
+    tiny = Tokenizer.from_hf_dir(GOLDEN / "tiny_llama")
+    im_end = tiny.token_to_id("<|im_end|>")
+    two_ends = Tokenizer(tiny.backend, eos_token="<|eos|>", eos_token_ids=[im_end])
+    compiler = GrammarCompiler(two_ends)
+    row = full_bitmask(1, compiler.vocab_size)[0]
+    for end in two_ends.eos_token_ids:
+        matcher = compiler.matcher(spec_from_request({"guided_regex": "ab"}))
+        for token in two_ends.encode("ab"):
+            matcher.advance(token)
+        assert matcher.is_finished
+        matcher.allowed_mask(row)
+        assert list(allowed_ids(row, compiler.vocab_size)) == sorted(two_ends.eos_token_ids)
+        matcher.advance(end)
+    with pytest.raises(ValueError, match="no end-of-sequence token"):
+        GrammarCompiler(Tokenizer(tiny.backend))

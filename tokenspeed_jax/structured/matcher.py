@@ -18,7 +18,8 @@ ahead. (A speculative path can instead advance on draft tokens and ``rollback`` 
 Invariants:
 
 * Before the first ``advance`` the mask is the grammar's start; after ``advance(t)`` it is the
-  grammar's state after ``t``. ``rollback(n)`` undoes the last ``n`` advances exactly.
+  grammar's state after ``t``. ``rollback(n)`` undoes the last ``n`` advances exactly; rolling
+  back more than were advanced is a ``ValueError`` that leaves the matcher as it was.
 * Once the grammar is complete, the mask allows exactly the end-of-sequence ids; advancing one of
   them is accepted. Tokens past the tokenizer's vocabulary are never allowed.
 * A token the mask did not allow is never silently accepted: ``advance`` raises ``GrammarError``
@@ -47,6 +48,7 @@ class GrammarMatcher:
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
+        self.num_advanced = 0  # tokens consumed and not rolled back
         self._check()
 
     def _check(self) -> None:
@@ -63,11 +65,15 @@ class GrammarMatcher:
         """Consume the token sampled for this request."""
         if not self._matcher.consume_token(int(token_id)):
             raise GrammarError(f"token {token_id} is not allowed here: {self._matcher.get_error()}")
+        self.num_advanced += 1
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` advances."""
-        if num_tokens < 0 or not self._matcher.rollback(num_tokens):
+        """Undo the last ``num_tokens`` advances (at most ``num_advanced``)."""
+        if not 0 <= num_tokens <= self.num_advanced:
+            raise ValueError(f"cannot roll back {num_tokens=}: {self.num_advanced} advanced")
+        if not self._matcher.rollback(num_tokens):
             raise GrammarError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
+        self.num_advanced -= num_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -84,7 +90,9 @@ class BitmaskFiller:
     def fill(self, bitmask: np.ndarray, matchers: Mapping[int, GrammarMatcher]) -> None:
         """Set every row of ``bitmask`` [rows, words] to all ones, then each row in ``matchers``
         (row index -> matcher) to its matcher's mask."""
-        rows, words = bitmask.shape if bitmask.ndim == 2 else (0, 0)
+        if bitmask.ndim != 2:
+            raise ValueError(f"bitmask must be [rows, words], got shape {bitmask.shape}")
+        rows, words = bitmask.shape
         _check_bitmask(bitmask, (rows, words))
         wrong = {row: m.words for row, m in matchers.items() if m.words != words}
         if wrong:
