@@ -275,3 +275,14 @@ def test_every_end_of_sequence_id_ends_the_grammar():
         matcher.advance(end)
     with pytest.raises(ValueError, match="no end-of-sequence token"):
         GrammarCompiler(Tokenizer(tiny.backend))
+
+
+def test_json_whitespace_runs_are_bounded(compiler, tokenizer):
+    spec = spec_from_request({"guided_json": PERSON})
+    matcher = compiler.matcher(spec)
+    for token in tokenizer.encode("{" + " \n" * 8 + '"name"'):
+        matcher.advance(token)
+    matcher = compiler.matcher(spec)
+    with pytest.raises(GrammarError, match="not allowed"):
+        for token in tokenizer.encode("{" + " \n" * 8 + ' "name"'):
+            matcher.advance(token)
