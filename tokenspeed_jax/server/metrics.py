@@ -101,8 +101,7 @@ GAUGES: dict[str, tuple[str, str]] = {
         "Buckets of every ladder, ready or still compiling in the background."),
     "plans_untuned": (
         "tokenspeed_plans_untuned",
-        "Quick skeleton plans (compiled without autotuning) still serving until their autotuned "
-        "ones land."),
+        "Quick skeleton plans (not autotuned) serving until their autotuned ones land."),
 }
 
 
