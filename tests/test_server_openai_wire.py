@@ -204,9 +204,6 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 CHAT_REFUSED = [
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("modalities", {"modalities": ["text", "audio"]}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("response_format", {"response_format": {"type": "json_schema",
-                                             "json_schema": {"name": "x", "schema": {}}}}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("tool_choice", {"tool_choice": "required"}),
     ("functions", {"functions": [{"name": "f"}]}),

@@ -28,6 +28,8 @@ import numbers
 import secrets
 from collections.abc import Iterable, Mapping
 
+from tokenspeed_jax.structured.specs import GrammarSpec
+
 MAX_N = 128  # OpenAI's limit on samples per prompt
 MAX_LOGPROBS = 20  # OpenAI's limit on top log-probabilities per token
 INT32_MAX = 2**31 - 1  # top_k and max_tokens travel as int32
@@ -117,6 +119,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # number of top log-probabilities to return per token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # The output's constraint (JSON schema, regex, choice, grammar: ``structured.specs``); the
+    # engine masks every token the constraint does not allow at each step.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -143,6 +148,10 @@ class SamplingParams:
             else _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             "logit_bias": _logit_bias(self.logit_bias),
         }
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise SamplingParamsError("grammar", f"grammar must be a GrammarSpec (see "
+                                                 f"tokenspeed_jax.structured), got "
+                                                 f"{self.grammar!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError("ignore_eos",
                                       f"ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class StepRequest:
     restore_slot: int = -1
     checkpoint_slot: int = -1
     token_row: int = -1
+    grammar: Any = None  # the request's ``structured.GrammarMatcher``, if it has a grammar
 
     @property
     def num_tokens(self) -> int:

@@ -55,7 +55,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import OVERLAP_SCHEDULES, EngineConfig
@@ -70,6 +70,9 @@ from tokenspeed_jax.outputs import Completion, TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from tokenspeed_jax.structured.compiler import GrammarCompiler
+
 logger = logging.getLogger(__name__)
 
 
@@ -80,6 +83,8 @@ PROBE_EVERY = 32
 
 
 class StepRunner(Protocol):
+    model_config: Any  # its model's config (``vocab_size``: the logits' width)
+
     def step(self, batch: StepBatch) -> StepOutput: ...
 
     def launch(self, batch: StepBatch) -> PendingStep: ...
@@ -122,6 +127,7 @@ class Engine:
         self.device_bound = False  # "auto": what the last synchronous decode step measured
         self._steps_since_probe = 0
         self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None  # made at the first grammar
         self.block_manager = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.state_slots = state_slots
         self.scheduler = Scheduler(
@@ -176,6 +182,17 @@ class Engine:
             if bad:
                 raise SamplingParamsError(param, f"{param} token ids {bad[:5]} are outside the "
                                                  f"vocabulary of {vocab}")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # GrammarSpecError names the request field
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of requests' grammars over this engine's tokenizer and logits width."""
+        if self._grammars is None:  # imported here: llguidance loads only for grammars
+            from tokenspeed_jax.structured.compiler import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size)
+        return self._grammars
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -188,6 +205,8 @@ class Engine:
         self.check_prompt(prompt_token_ids)
         self.check_params(params)
         request = Request(request_id, list(prompt_token_ids), params.with_random_seed())
+        if params.grammar is not None:
+            request.grammar = self.grammars.matcher(params.grammar)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                              stop=params.stop)
         self._tracked[request_id] = _Tracked(request, detokenizer)
@@ -344,6 +363,8 @@ class Engine:
         params = request.params
         detokenizer = self._tracked[request.request_id].detokenizer
         reason, stop_reason = None, None
+        if request.grammar is not None:  # the token was sampled under its mask
+            request.grammar.advance(token)
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.tokenizer.eos_token_ids
         ):
@@ -353,6 +374,8 @@ class Engine:
             text = detokenizer.add(token)
             if detokenizer.stopped:
                 reason, stop_reason = "stop", detokenizer.stop_reason
+            elif request.grammar is not None and request.grammar.is_finished:
+                reason = "stop"  # the output is complete for its grammar
             elif self._ends_by_length(request):
                 reason = "length"
             if reason is not None:

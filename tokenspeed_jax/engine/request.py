@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from tokenspeed_jax.outputs import TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar: Any = None  # a ``structured.GrammarMatcher`` at the output so far, with a grammar
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

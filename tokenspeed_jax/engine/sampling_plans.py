@@ -43,6 +43,7 @@ from tokenspeed_jax.engine.sampler import (
 )
 from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, abstract, run_eager
 from tokenspeed_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from tokenspeed_jax.structured.bitmask import apply_token_bitmask, full_bitmask
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs is at most 20
 FAST_SAMPLE_WIDTH = 2  # columns of the in-step sampler's rows: token id, log-prob bits
@@ -58,8 +59,9 @@ def needs_full_sampler(params: SamplingParams) -> bool:
 
 
 def needs_penalized_plan(params: SamplingParams) -> bool:
-    """Whether a request needs the penalized full sampler: penalties or a logit bias."""
-    return params.has_penalties or bool(params.logit_bias)
+    """Whether a request needs the penalized full sampler: penalties, a logit bias or a
+    grammar (its token mask)."""
+    return params.has_penalties or bool(params.logit_bias) or params.grammar is not None
 
 
 def settings_rows(requests: Sequence[StepRequest]) -> list[tuple[SamplingParams, int]]:
@@ -110,6 +112,16 @@ def logit_bias_fields(requests: Sequence[StepRequest], rows: int) -> dict[str, n
     return {"logit_bias.ids": ids, "logit_bias.values": values}
 
 
+def grammar_bitmask(requests: Sequence[StepRequest], rows: int, vocab_size: int) -> np.ndarray:
+    """i32[rows, ceil(V / 32)]: the tokens each request's grammar allows next (bit t % 32 of
+    word t // 32), every token for requests without one and for padding rows."""
+    bitmask = full_bitmask(rows, vocab_size)
+    for row, request in enumerate(requests):
+        if request.grammar is not None:
+            request.grammar.allowed_mask(bitmask[row])
+    return bitmask
+
+
 def fast_sample(sampling: SamplingArrays, logits: jax.Array) -> jax.Array:
     """The in-step sampler: i32[rows, FAST_SAMPLE_WIDTH] of token id and log-prob bits."""
     token_ids, logprobs = sample(logits, sampling, top_k_cap=0)
@@ -117,12 +129,15 @@ def fast_sample(sampling: SamplingArrays, logits: jax.Array) -> jax.Array:
 
 
 def full_sample(meta: Mapping[str, jax.Array], logits: jax.Array) -> jax.Array:
-    """The full sampler: i32[rows, 2 + 2k]; penalties and logit bias apply when ``meta`` holds
-    ``counts`` and the ``logit_bias_fields``."""
+    """The full sampler: i32[rows, 2 + 2k]; penalties, logit bias and grammar masks apply when
+    ``meta`` holds ``counts``, the ``logit_bias_fields`` and the ``grammar_bitmask``. A masked
+    token's bias is -inf, so it is never sampled; reported log-probabilities stay those of the
+    model's logits."""
     bias = None
     if "logit_bias.ids" in meta:
         bias = dense_logit_bias(meta["logit_bias.ids"], meta["logit_bias.values"],
                                 logits.shape[-1])
+        bias = apply_token_bitmask(bias, meta["bitmask"])
     token_ids, logprobs = sample(logits, unpack_sampling(meta), meta.get("counts"), bias)
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     top_values, top_ids = top_logprobs(logits, k)
@@ -216,6 +231,7 @@ class Resampler:
         if penalized:
             fields["counts"] = output_counts(requests, rows, self.vocab_size)
             fields.update(logit_bias_fields(requests, rows))
+            fields["bitmask"] = grammar_bitmask(requests, rows, self.vocab_size)
         return penalized, {"penalized-sample" if penalized else "sample": Packed.of(fields)}
 
     def finish(self, requests: Sequence[StepRequest], rows: int, sampled: jax.Array,

@@ -141,7 +141,7 @@ class Scheduler:
                 start_pos=request.num_computed_tokens,
                 page_table=np.asarray(request.page_ids, dtype=np.int32), sample=True,
                 params=request.params, output_token_ids=[*request.output_token_ids, 0],
-                state_slot=request.state_slot, token_row=row))
+                state_slot=request.state_slot, token_row=row, grammar=request.grammar))
         return ScheduledStep(StepBatch(step_requests), list(requests))
 
     def after_step(self, step: ScheduledStep) -> None:
@@ -258,6 +258,7 @@ class Scheduler:
                     state_slot=request.state_slot,
                     restore_slot=request.restore_slot,
                     checkpoint_slot=checkpoint,
+                    grammar=request.grammar,
                 )
             )
             request.restore_slot = -1

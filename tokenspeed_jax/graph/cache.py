@@ -129,7 +129,8 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # moved anywhere inside one stays covered) and these top-level modules, less the engine's
 # host-side modules (request bookkeeping and scheduling policy, never traced).
 EXECUTABLE_FOLDERS = ("engine", "graph", "kernels", "models")
-EXECUTABLE_MODULES = ("config.py", "parallel.py", "sampling_params.py")
+EXECUTABLE_MODULES = ("config.py", "parallel.py", "sampling_params.py",
+                      "structured/bitmask.py", "structured/specs.py")
 HOST_MODULES = ("engine/block_manager.py", "engine/engine.py", "engine/request.py",
                 "engine/scheduler.py", "engine/sizing_record.py", "engine/state_slots.py")
 _SIMPLE = (str, int, float, bool, type(None))
@@ -169,9 +170,9 @@ def shapes_executables(relative: PurePosixPath) -> bool:
     can run while a stage is traced, and so belongs in every key."""
     if relative.as_posix() in HOST_MODULES:
         return False
-    if len(relative.parts) == 1:
-        return relative.name in EXECUTABLE_MODULES
-    return relative.parts[0] in EXECUTABLE_FOLDERS
+    if relative.as_posix() in EXECUTABLE_MODULES:
+        return True
+    return len(relative.parts) > 1 and relative.parts[0] in EXECUTABLE_FOLDERS
 
 
 def source_hash(root: Path) -> str:

@@ -59,6 +59,7 @@ from tokenspeed_jax.server.protocol import (
     ModelCard,
     ModelList,
 )
+from tokenspeed_jax.structured.specs import GrammarSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +183,11 @@ def _start(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams
            param_name: str, response_id: str) -> list[_Choice]:
     """One engine request per (prompt, sample), ``{response_id}-{choice index}`` each."""
     try:
-        engine.engine.check_params(params)
+        engine.engine.check_params(params)  # compiles a grammar (milliseconds; cached)
     except SamplingParamsError as error:
         raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param) from error
+    except GrammarSpecError as error:
+        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.field) from error
     choices = []
     for i, prompt_ids in enumerate(prompts):
         try:

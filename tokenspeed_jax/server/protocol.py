@@ -108,6 +108,11 @@ class ChatMessage(_Request):
         return "".join(part.text or "" for part in self.content)
 
 
+# Output constraints beside OpenAI's ``response_format`` (``structured.specs.GRAMMAR_FIELDS``).
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -121,7 +126,7 @@ class ChatCompletionRequest(_Body):
         "store", "verbosity")
     ENGINE_EXTRAS: ClassVar[frozenset[str]] = frozenset({
         "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
-        "add_generation_prompt"})
+        "add_generation_prompt", *GUIDED_FIELDS})
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
@@ -167,12 +172,19 @@ class ChatCompletionRequest(_Body):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     add_generation_prompt: bool = True
+    # engine extras: output constraints as vLLM takes them (``structured.specs``)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Body):
     IGNORED: ClassVar[tuple[str, ...]] = ()
     ENGINE_EXTRAS: ClassVar[frozenset[str]] = frozenset({
-        "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"})
+        "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+        *GUIDED_FIELDS})
 
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -198,6 +210,12 @@ class CompletionRequest(_Body):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    # engine extras: output constraints as vLLM takes them (``structured.specs``)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class Usage(BaseModel):

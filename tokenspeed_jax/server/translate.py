@@ -22,6 +22,7 @@ from tokenspeed_jax.outputs import TokenLogprob
 from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.server.errors import APIError
 from tokenspeed_jax.server.protocol import (
+    GUIDED_FIELDS,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -38,6 +39,7 @@ from tokenspeed_jax.server.protocol import (
     TopLogprob,
     Usage,
 )
+from tokenspeed_jax.structured.specs import GrammarSpec, GrammarSpecError, spec_from_request
 from tokenspeed_jax.tokenizer import Tokenizer
 
 MAX_CHOICES = 128  # completions one request may ask for: prompts x n (OpenAI's n <= 128)
@@ -87,9 +89,22 @@ def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
             n=body.n,
             logprobs=logprobs,
             logit_bias=_logit_bias(body),
+            grammar=_grammar(body),
         )
     except SamplingParamsError as error:
         raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param) from error
+
+
+def _grammar(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
+    """The request's output constraint: ``response_format`` (chat) or a vLLM-style field."""
+    fields = {name: getattr(body, name) for name in GUIDED_FIELDS}
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None:
+        fields["response_format"] = response_format.model_dump(exclude_none=True)
+    try:
+        return spec_from_request(fields)
+    except GrammarSpecError as error:
+        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.field) from error
 
 
 def chat_params(body: ChatCompletionRequest, max_stop_strings: int) -> SamplingParams:
@@ -132,8 +147,6 @@ CHAT_REFUSED = {
     "function_call": (_unless_none_choice, f"function calling {NOT_YET}"),
     "modalities": (lambda m: m is not None and m != ["text"],
                    'only the "text" output modality is supported'),
-    "response_format": (lambda f: f is not None and f.type != "text",
-                        f'structured output (response_format other than "text") {NOT_YET}'),
     "tools": (_unless_empty, f"tool calling {NOT_YET}"),
     "tool_choice": (_unless_none_choice, f'tool calling {NOT_YET} (tool_choice "none" only)'),
     "web_search_options": (_unless_none, "web search is not supported"),

@@ -21,9 +21,10 @@ Constrained rows cannot run ahead: the next step's mask needs this step's token 
 docstring states the policy).
 """
 
+from importlib import import_module
+from typing import Any
+
 from tokenspeed_jax.structured.bitmask import apply_token_bitmask, bitmask_words, full_bitmask
-from tokenspeed_jax.structured.compiler import GrammarCompiler
-from tokenspeed_jax.structured.matcher import BitmaskFiller, GrammarError, GrammarMatcher
 from tokenspeed_jax.structured.specs import (
     GRAMMAR_FIELDS,
     GrammarSpec,
@@ -31,6 +32,18 @@ from tokenspeed_jax.structured.specs import (
     spec_from_request,
 )
 from tokenspeed_jax.structured.tools import tool_arguments_spec, tool_call_spec
+
+# Names whose modules load llguidance, imported on first use: a ``SamplingParams`` (which imports
+# ``specs``) never loads it, only a grammar does.
+_LAZY = {"GrammarCompiler": "compiler", "BitmaskFiller": "matcher", "GrammarError": "matcher",
+         "GrammarMatcher": "matcher"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "GRAMMAR_FIELDS",
