@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import openai
 import uvicorn
 
 from tokenspeed_jax.config import EngineConfig
+from tokenspeed_jax.engine.engine import AsyncEngine
 from tokenspeed_jax.models.loader import load_model
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -66,6 +68,24 @@ def running_server(state: ServerState, config: EngineConfig = CONFIG) -> Iterato
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextlib.contextmanager
+def serving(bundle) -> Iterator[tuple[str, AsyncEngine]]:
+    """``bundle``'s (``build_engine``) engine on its thread, served with CONFIG's settings:
+    (base URL, the running ``AsyncEngine``); shut down afterwards."""
+    engine = AsyncEngine(bundle.engine)
+    engine.start()
+    try:
+        with running_server(ServerState(MODEL_NAME, engine, bundle.runner.stats)) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    """The official client on the server at ``url``, with no retries."""
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
 class Reference:

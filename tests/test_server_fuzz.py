@@ -17,10 +17,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import CONFIG, MODEL_NAME, running_server
+from serving import CONFIG, MODEL_NAME, serving
 
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
-from tokenspeed_jax.server.app import ServerState
+from tokenspeed_jax.engine.engine import build_engine
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs",
@@ -64,12 +63,8 @@ def bodies(path: str):
 @pytest.fixture(scope="module")
 def served():
     bundle = build_engine(CONFIG)
-    engine = AsyncEngine(bundle.engine)
-    engine.start()
-    with running_server(ServerState(MODEL_NAME, engine, bundle.runner.stats)) as url, \
-            httpx.Client(base_url=url, timeout=120) as http:
+    with serving(bundle) as (url, _), httpx.Client(base_url=url, timeout=120) as http:
         yield http, bundle.runner
-    engine.shutdown()
 
 
 def post(http: httpx.Client, path: str, body) -> None:

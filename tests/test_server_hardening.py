@@ -19,9 +19,18 @@ import time
 import httpx
 import openai
 import pytest
-from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, free_port, greedy, running_server
+from serving import (
+    CONFIG,
+    MODEL_DIR,
+    MODEL_NAME,
+    Reference,
+    free_port,
+    greedy,
+    running_server,
+    serving,
+)
 
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
+from tokenspeed_jax.engine.engine import build_engine
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.server.launch import serve
 
@@ -37,11 +46,8 @@ def bundle():
 @pytest.fixture(scope="module")
 def served(bundle):
     """(url, engine): the server with CONFIG's settings; further apps may serve its engine."""
-    engine = AsyncEngine(bundle.engine)
-    engine.start()
-    with running_server(ServerState(MODEL_NAME, engine, bundle.runner.stats)) as url:
-        yield url, engine
-    engine.shutdown()
+    with serving(bundle) as served_engine:
+        yield served_engine
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ import openai
 import pytest
 from openai.types import completion_create_params as completion_types
 from openai.types.chat import completion_create_params as chat_types
-from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, running_server
+from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, openai_client, serving
 
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
-from tokenspeed_jax.server.app import ServerState
+from tokenspeed_jax.engine.engine import build_engine
 from tokenspeed_jax.server.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPT = [11, 42, 7, 90]
@@ -27,12 +26,8 @@ HELLO = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture(scope="module")
 def client():
-    bundle = build_engine(CONFIG)
-    engine = AsyncEngine(bundle.engine)
-    engine.start()
-    with running_server(ServerState(MODEL_NAME, engine, bundle.runner.stats)) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    engine.shutdown()
+    with serving(build_engine(CONFIG)) as (url, _):
+        yield openai_client(url)
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,9 @@ import re
 import jsonschema
 import openai
 import pytest
-from serving import CONFIG, MODEL_NAME, running_server
+from serving import CONFIG, MODEL_NAME, openai_client, serving
 
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
-from tokenspeed_jax.server.app import ServerState
+from tokenspeed_jax.engine.engine import build_engine
 
 HELLO = [{"role": "user", "content": "Describe a thing."}]
 THING = {
@@ -35,11 +34,8 @@ MAX_TOKENS = 400  # room for the whitespace the grammar lets a random model writ
 @pytest.fixture(scope="module")
 def served():
     bundle = build_engine(CONFIG)
-    engine = AsyncEngine(bundle.engine)
-    engine.start()
-    with running_server(ServerState(MODEL_NAME, engine, bundle.runner.stats)) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), bundle
-    engine.shutdown()
+    with serving(bundle) as (url, _):
+        yield openai_client(url), bundle
 
 
 def chat(client, **fields):
