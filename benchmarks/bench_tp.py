@@ -1,7 +1,7 @@
 """Benchmark tensor parallelism in one process: tp=1 against tp=N for a Llama and a Kimi shape.
 
 For each model shape and each --tp size, with random weights of one seed built fresh on the
-device per tp (so every tp starts from the same weights; ``parallel.place_model`` then moves
+device per tp (so every tp starts from the same weights; the family's ``place_model`` then moves
 them onto their shardings in place), measures the following; prints one table per shape, and
 with --out writes everything as JSON after every tp (a run cut short keeps what it measured):
 

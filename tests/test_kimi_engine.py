@@ -118,7 +118,7 @@ def test_mixed_lengths_batched_with_preemption_match_reference(llm):
         np.testing.assert_allclose(logprobs(out), logprobs(want), atol=ATOL)
     assert all(o.finish_reason == "length" for o in outs)
     assert stats["num_preemptions"] > before["num_preemptions"]  # 12 pages cannot hold all four
-    assert stats["inline_runs"] > before["inline_runs"]
+    assert stats["prefill_runs"] > before["prefill_runs"]
     assert stats["decode_runs"] > before["decode_runs"]
     assert stats["runtime_compiles"] == 0
     assert stats["state_slots_used"] == 0
@@ -137,7 +137,7 @@ def test_prefix_hit_restores_the_kda_checkpoint(llm):
     np.testing.assert_allclose(logprobs(hit), logprobs(expected), atol=ATOL)
     np.testing.assert_allclose(logprobs(miss), logprobs(expected), atol=ATOL)
     assert after["kda_checkpoint_hits"] == before["kda_checkpoint_hits"] + 1
-    assert after["restores"] == before["restores"] + 1
+    assert after["kda_state_restores"] == before["kda_state_restores"] + 1
     # the pages hold 160 cached tokens; the hit is cut back to the checkpoint at 128
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 128
 
@@ -266,7 +266,7 @@ def test_server_answers_a_chat_request_and_exposes_the_kda_metrics(llm):
     assert set(llm.stats()) <= COUNTERS.keys() | GAUGES.keys()  # each one a counter or a gauge
     for kind, names in {
         "counter": ("tokenspeed_kda_checkpoints_written", "tokenspeed_kda_checkpoint_hits",
-                    "tokenspeed_kda_state_restores", "tokenspeed_inline_runs",
+                    "tokenspeed_kda_state_restores", "tokenspeed_prefill_runs",
                     "tokenspeed_decode_runs"),
         "gauge": ("tokenspeed_state_slots_used", "tokenspeed_state_slots_capacity"),
     }.items():

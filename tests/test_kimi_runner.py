@@ -236,8 +236,10 @@ def test_a_mixed_step_runs_its_decode_rows_on_the_decode_route(runner):
     before = dict(runner.stats())
     stepped = run(runner, pools, "step", mixed)
     runs = {key: runner.stats()[key] - before[key]
-            for key in ("mixed_splits", "decode_runs", "inline_runs", "eager_runs")}
-    assert runs == {"mixed_splits": 1, "decode_runs": 1, "inline_runs": 1, "eager_runs": 0}
+            for key in ("mixed_splits", "decode_runs", "prefill_runs", "ordinary_runs",
+                        "eager_runs")}
+    assert runs == {"mixed_splits": 1, "decode_runs": 1, "prefill_runs": 1, "ordinary_runs": 0,
+                    "eager_runs": 0}
     assert len(stepped[0].token_ids) == 2
     assert_same(stepped, run(runner, pools, "eager", mixed))
 

@@ -219,6 +219,15 @@ def test_orbax_round_trip_restores_identical_weights_in_any_dtype(tmp_path: Path
     assert_same_state(as_bf16, model, rel=1 / 128)
 
 
+def test_orbax_round_trip_of_another_family_goes_through_its_registry_entry(tmp_path: Path):
+    original = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    save_orbax(original.model, tmp_path / "ckpt")
+    restored = load_checkpoint(tmp_path / "ckpt", dtype="float32")
+    assert (restored.format, restored.family.name) == ("orbax", "kimi_linear")
+    assert restored.config == original.config
+    assert_same_state(restored.model, original.model)
+
+
 def test_convert_cli_writes_a_loadable_dir_with_tokenizer(tmp_path: Path):
     src = GOLDEN / "tiny_qwen3"
     convert_main([str(src), str(tmp_path / "out"), "--dtype", "float32"])

@@ -212,8 +212,8 @@ def test_prefill_and_decode_match_reference_in_every_bucket(model, runner, lengt
     before = runner.stats()
     generate(model, runner, Pages(), prompts(sum(lengths), *lengths), steps=2)
     after = runner.stats()
-    assert after["prefill_graph_runs"] == before["prefill_graph_runs"] + 1
-    assert after["decode_graph_runs"] == before["decode_graph_runs"] + 2
+    assert after["prefill_runs"] == before["prefill_runs"] + 1
+    assert after["decode_runs"] == before["decode_runs"] + 2
     assert after["runtime_compiles"] == 0 and after["eager_runs"] == 0
 
 
@@ -340,8 +340,8 @@ def test_a_mixed_step_runs_its_decode_rows_on_the_decode_graph(model, runner):
         request("a", [7], len(a), ta, outputs=[7])]))
     after = runner.stats()
     runs = {key: after[key] - before[key]
-            for key in ("mixed_splits", "decode_graph_runs", "prefill_graph_runs", "eager_runs")}
-    assert runs == {"mixed_splits": 1, "decode_graph_runs": 1, "prefill_graph_runs": 1,
+            for key in ("mixed_splits", "decode_runs", "prefill_runs", "eager_runs")}
+    assert runs == {"mixed_splits": 1, "decode_runs": 1, "prefill_runs": 1,
                     "eager_runs": 0}
     assert len(out.token_ids) == 2
     check(model, runner, out.token_ids[0], out.logprobs[0], list(c), tc)
@@ -417,7 +417,7 @@ def test_prefill_graph_off_prefills_eagerly_and_decodes_on_the_graph(model):
         assert runner.buckets.tokens == () and runner.buckets.decode_requests
         generate(model, runner, Pages(), prompts(43, 7, 12), steps=2)
         stats = runner.stats()
-        assert stats["eager_runs"] == 1 and stats["decode_graph_runs"] == 2
+        assert stats["eager_runs"] == 1 and stats["decode_runs"] == 2
         assert stats["runtime_compiles"] == 0
     finally:
         runner.guard.disarm()
@@ -515,7 +515,7 @@ def test_penalties_match_reference_generator(model, runner, penalties):
     assert run_steps(runner, prompt_list, [penalized_params, plain_params], steps) == expected
     after = runner.stats()
     # Every step (the prefill's head, then each decode step) resamples its logits.
-    assert after["decode_graph_runs"] == before["decode_graph_runs"] + steps - 1
+    assert after["decode_runs"] == before["decode_runs"] + steps - 1
     assert after["resample_runs"] == before["resample_runs"] + steps
     assert after["runtime_compiles"] == 0 and after["eager_runs"] == before["eager_runs"]
 
@@ -537,7 +537,7 @@ def test_sampling_tiers_match_reference_generator(model, runner, truncated):
     before = runner.stats()
     assert run_steps(runner, prompt_list, params_list, steps) == expected
     after = runner.stats()
-    runs = sum(after[k] - before[k] for k in ("prefill_graph_runs", "decode_graph_runs"))
+    runs = sum(after[k] - before[k] for k in ("prefill_runs", "decode_runs"))
     assert runs >= steps  # every group of every step has a truncating request
     assert after["resample_runs"] - before["resample_runs"] == (runs if truncated else 0)
     assert after["runtime_compiles"] == 0
@@ -555,7 +555,7 @@ def test_pallas_decode_op_in_the_runner_matches_reference(model, monkeypatch):
     runner.compile_all()
     try:
         generate(model, runner, Pages(), prompts(71, 9, 14), steps=3)
-        assert runner.stats()["decode_graph_runs"] == 3
+        assert runner.stats()["decode_runs"] == 3
         assert runner.stats()["runtime_compiles"] == 0
     finally:
         runner.guard.disarm()
@@ -574,7 +574,7 @@ def test_long_cached_context_runs_on_the_token_bucket_graph(model, runner):
     out = runner.step(StepBatch([request("b", suffix, 48, table[:15])]))
     check(model, runner, out.token_ids[0], out.logprobs[0], [*prompt, *suffix], table[:15])
     after = runner.stats()
-    assert after["prefill_graph_runs"] == before["prefill_graph_runs"] + 1
+    assert after["prefill_runs"] == before["prefill_runs"] + 1
     assert after["runtime_compiles"] == 0 and after["eager_runs"] == before["eager_runs"]
 
 
@@ -593,7 +593,7 @@ def test_pallas_prefill_kernel_in_the_runner_matches_reference(model, monkeypatc
     try:
         generate(model, runner, Pages(), prompts(72, 45, 5), steps=2)  # 50 tokens: 2 chunks
         stats = runner.stats()
-        assert stats["prefill_graph_runs"] == 2 and stats["chunked_prefill_splits"] == 1
+        assert stats["prefill_runs"] == 2 and stats["chunked_prefill_splits"] == 1
         assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
     finally:
         runner.guard.disarm()
@@ -635,9 +635,9 @@ def test_gpu_defaults_match_reference(model, gpu_runner):
     check(model, gpu_runner, out.token_ids[1], out.logprobs[1], [*prompt, 7], table)
     after = gpu_runner.stats()
     runs = {key: after[key] - before[key] for key in (
-        "chunked_prefill_splits", "mixed_splits", "decode_graph_runs", "eager_runs",
+        "chunked_prefill_splits", "mixed_splits", "decode_runs", "eager_runs",
         "runtime_compiles")}
-    assert runs == {"chunked_prefill_splits": 2, "mixed_splits": 1, "decode_graph_runs": 3,
+    assert runs == {"chunked_prefill_splits": 2, "mixed_splits": 1, "decode_runs": 3,
                     "eager_runs": 0, "runtime_compiles": 0}
 
 
@@ -656,7 +656,7 @@ def test_gpu_defaults_in_bfloat16_match_reference_to_its_rounding():
         assert runner.k_pages[0].dtype == jnp.bfloat16
         generate(half, runner, Pages(), prompts(84, 45, 20), steps=4, tol=BF16)
         stats = runner.stats()
-        assert stats["chunked_prefill_splits"] == 2 and stats["decode_graph_runs"] == 4
+        assert stats["chunked_prefill_splits"] == 2 and stats["decode_runs"] == 4
         assert stats["runtime_compiles"] == 0 and stats["eager_runs"] == 0
     finally:
         runner.guard.disarm()
@@ -741,7 +741,7 @@ def test_decode_copies_take_turns_and_run_ahead_like_the_reference(model, gpu_ru
         pending = following
         assert buffer_addresses(gpu_runner) == addresses
     after = gpu_runner.stats()
-    assert after["decode_graph_runs"] == before["decode_graph_runs"] + 6
+    assert after["decode_runs"] == before["decode_runs"] + 6
     assert after["runtime_compiles"] == 0
 
 

@@ -221,6 +221,7 @@ def _sharded_kernel(mesh_size: int) -> dict:
     """The Pallas kernel (interpreted) per shard of 4 KV heads over ``mesh_size`` devices, on
     q and pages placed with the runner's shardings, vs the unsharded reference and by hand."""
     from tokenspeed_jax import parallel
+    from tokenspeed_jax.models.llama import sharding as llama_sharding
 
     mesh = parallel.make_mesh(mesh_size)
     kernel = PrefillKernel(PALLAS, BLOCKS, interpret=True, mesh=mesh)
@@ -230,8 +231,8 @@ def _sharded_kernel(mesh_size: int) -> dict:
                                        jnp.float32)
     work = prefill_work(token_request, positions, num_rows=NUM_ROWS, block_q=BLOCKS.block_q)
     config = types.SimpleNamespace(num_key_value_heads=4)
-    heads = parallel.attention_value_shardings(config, mesh)["q"]
-    pages = parallel.kv_cache_sharding(config, mesh)
+    heads = llama_sharding.attention_value_shardings(config, mesh)["q"]
+    pages = llama_sharding.kv_cache_sharding(config, mesh)
     metadata = [jax.device_put(x, parallel.replicated(mesh))
                 for x in (tables, token_request, positions, work)]
     args = (jax.device_put(q, heads), jax.device_put(k_pages, pages),
@@ -291,7 +292,7 @@ def _tiny_llama(tp: int) -> dict:
     return {"tokens": [c.token_ids for c in completions],
             "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
             "backend": kernel.backend, "kernel_devices": 0 if kernel.mesh is None
-            else kernel.mesh.size, "prefill_runs": stats["prefill_graph_runs"],
+            else kernel.mesh.size, "prefill_runs": stats["prefill_runs"],
             "runtime_compiles": stats["runtime_compiles"]}
 
 

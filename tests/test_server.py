@@ -266,20 +266,23 @@ def test_prefix_cache_hit_gives_the_same_tokens(server, reference):
     assert texts == [expected, expected]
 
 
-# What /metrics exposes for the dense runner, by type (counters without their _total).
+# What /metrics exposes, by type (counters without their _total), for every model family.
 DENSE_COUNTERS = {
     "tokenspeed_requests", "tokenspeed_prompt_tokens", "tokenspeed_generation_tokens",
     "tokenspeed_engine_steps", "tokenspeed_engine_overlapped_steps", "tokenspeed_num_preemptions",
     "tokenspeed_prefix_cache_query_tokens", "tokenspeed_prefix_cache_hit_tokens",
-    "tokenspeed_prefill_graph_runs", "tokenspeed_decode_graph_runs", "tokenspeed_eager_runs",
-    "tokenspeed_chunked_prefill_splits", "tokenspeed_request_splits", "tokenspeed_decode_splits",
-    "tokenspeed_mixed_splits", "tokenspeed_real_tokens", "tokenspeed_padded_tokens",
-    "tokenspeed_resample_runs", "tokenspeed_runtime_compiles", "tokenspeed_eager_compiles",
+    "tokenspeed_kda_checkpoints_written", "tokenspeed_kda_checkpoint_hits",
+    "tokenspeed_prefill_runs", "tokenspeed_ordinary_runs", "tokenspeed_decode_runs",
+    "tokenspeed_eager_runs", "tokenspeed_chunked_prefill_splits", "tokenspeed_request_splits",
+    "tokenspeed_decode_splits", "tokenspeed_mixed_splits", "tokenspeed_real_tokens",
+    "tokenspeed_padded_tokens", "tokenspeed_kda_state_restores", "tokenspeed_resample_runs",
+    "tokenspeed_runtime_compiles", "tokenspeed_eager_compiles",
 }
 DENSE_GAUGES = {
     "tokenspeed_ready", "tokenspeed_num_requests_running", "tokenspeed_num_requests_waiting",
     "tokenspeed_kv_pages_used", "tokenspeed_kv_pages_capacity", "tokenspeed_kv_cache_usage_ratio",
     "tokenspeed_prefix_cache_hit_rate", "tokenspeed_engine_decode_device_bound",
+    "tokenspeed_state_slots_used", "tokenspeed_state_slots_capacity",
     "tokenspeed_padding_waste", "tokenspeed_buckets_ready", "tokenspeed_buckets_capacity",
 }
 HISTOGRAMS = {

@@ -13,10 +13,10 @@ from test_scheduler import run_to_completion
 
 from tokenspeed_jax.engine.batch import StepBatch
 from tokenspeed_jax.engine.block_manager import BlockManager
-from tokenspeed_jax.engine.engine import state_slot_bytes
 from tokenspeed_jax.engine.request import Request
 from tokenspeed_jax.engine.scheduler import Scheduler
 from tokenspeed_jax.engine.state_slots import StateSlots, prefix_page_hash
+from tokenspeed_jax.models.kimi_linear.family import state_slot_bytes
 from tokenspeed_jax.sampling_params import SamplingParams
 
 VOCAB = 97

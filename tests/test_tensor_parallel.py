@@ -175,13 +175,13 @@ def test_engine_config_rejects_nonpositive_tp():
 ])
 def test_head_counts_that_do_not_split_are_errors(heads, kv_heads, tp, message):
     from tokenspeed_jax.models.llama import LlamaConfig
-    from tokenspeed_jax.parallel import check_llama
+    from tokenspeed_jax.models.llama.sharding import check_split
 
     config = LlamaConfig(vocab_size=32, hidden_size=heads * 4, intermediate_size=12,
                          num_hidden_layers=1, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=4)
     with pytest.raises(ValueError, match=message):
-        check_llama(config, tp)
+        check_split(config, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -190,21 +190,21 @@ def test_every_llama_parameter_has_a_rule_that_splits_evenly(tp):
     from parallel_checks import splits_by_name
 
     from tokenspeed_jax.models.llama import LlamaConfig
+    from tokenspeed_jax.models.llama.sharding import param_spec
     from tokenspeed_jax.models.loader import abstract_model
-    from tokenspeed_jax.parallel import llama_param_spec
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=4, qk_norm=True,
                          attention_bias=True, model_type="qwen2")
     state = nnx.state(abstract_model(config, "float32"))
-    split = splits_by_name(state, lambda name: llama_param_spec(name, config, tp), tp)
+    split = splits_by_name(state, lambda name: param_spec(name, config, tp), tp)
     kv_split = tp == 2  # 2 KV heads: split 2 ways, replicated 4 ways
     assert split == {"embed_tokens": True, "lm_head": True, "q_proj": True, "q_bias": True,
                      "o_proj": True, "gate_proj": True, "up_proj": True, "down_proj": True,
                      "k_proj": kv_split, "v_proj": kv_split, "k_bias": kv_split,
                      "v_bias": kv_split, "weight": False}
     with pytest.raises(ValueError, match="no tensor-parallel rule for Llama parameter 'rotary'"):
-        llama_param_spec("rotary", config, tp)
+        param_spec("rotary", config, tp)
 
 
 if __name__ == "__main__":

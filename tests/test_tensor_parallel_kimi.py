@@ -101,7 +101,7 @@ def _generate(path: Path, tp: int, *, golden: bool = False) -> dict:
         "steps": [step_logprobs(c) for c in completions],
         "logits": llm.logits(data["prompt_ids"][0].tolist()).tolist(),
         "runtime_compiles": llm.stats()["runtime_compiles"],
-        "routes": {r: llm.stats()[f"{r}_runs"] for r in ("inline", "decode", "eager")},
+        "routes": {r: llm.stats()[f"{r}_runs"] for r in ("prefill", "decode", "eager")},
         "shards": {
             "state": list(runner.pools["state.0"].addressable_shards[0].data.shape),
             "conv": list(runner.pools["conv.0"].addressable_shards[0].data.shape),
@@ -183,7 +183,7 @@ def _llama_pallas_decode(tp: int, fused: bool = True) -> dict:
     kernel = llm.runner.decode_kernel
     result = {"steps": [step_logprobs(c) for c in completions],
               "backend": kernel.backend, "kernel_devices": 0 if kernel.mesh is None
-              else kernel.mesh.size, "decode_runs": llm.stats()["decode_graph_runs"],
+              else kernel.mesh.size, "decode_runs": llm.stats()["decode_runs"],
               "runtime_compiles": llm.stats()["runtime_compiles"]}
     llm.runner.guard.disarm()
     return result
@@ -267,7 +267,7 @@ def test_kimi_tp4_matches_tp1_on_four_heads(kimi):
 def test_kimi_sharded_runs_take_the_compiled_routes_and_compile_nothing(kimi):
     for run in (kimi["tiny"], *kimi["wide"].values()):
         assert run["runtime_compiles"] == 0
-        assert run["routes"]["inline"] > 0 and run["routes"]["decode"] > 0
+        assert run["routes"]["prefill"] > 0 and run["routes"]["decode"] > 0
         assert run["routes"]["eager"] == 0
     assert kimi["tiny"]["runtime_compiles_after_serving"] == 0
 
@@ -324,12 +324,12 @@ def test_kimi_counts_that_do_not_split_are_errors(change, message):
     import dataclasses
 
     from tokenspeed_jax.models.kimi_linear import KimiLinearConfig
-    from tokenspeed_jax.parallel import check_kimi
+    from tokenspeed_jax.models.kimi_linear.sharding import check_split
 
     raw = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
     config = dataclasses.replace(KimiLinearConfig.from_hf(raw), **change)
     with pytest.raises(ValueError, match=message):
-        check_kimi(config, 2)
+        check_split(config, 2)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -337,21 +337,22 @@ def test_every_kimi_parameter_has_a_rule_that_splits_evenly(tp):
     from flax import nnx
     from parallel_checks import splits_by_name
 
-    from tokenspeed_jax.models.kimi_linear import KimiLinearConfig, abstract_kimi_model
-    from tokenspeed_jax.parallel import kimi_param_spec
+    from tokenspeed_jax.models.kimi_linear import KimiLinearConfig
+    from tokenspeed_jax.models.kimi_linear.sharding import param_spec
+    from tokenspeed_jax.models.loader import abstract_model
 
     raw = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
     raw["num_attention_heads"] = raw["num_key_value_heads"] = 4
     raw["linear_attn_config"]["num_heads"] = 4
     raw["q_lora_rank"] = 8  # q_a_proj / q_b_proj instead of q_proj
     config = KimiLinearConfig.from_hf(raw)
-    state = nnx.state(abstract_kimi_model(config, "float32"))
-    split = splits_by_name(state, lambda name: kimi_param_spec(name, config, tp), tp)
+    state = nnx.state(abstract_model(config, "float32"))
+    split = splits_by_name(state, lambda name: param_spec(name, config, tp), tp)
     replicated = {"f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
                   "e_score_correction_bias", "weight"}
     assert {n for n, s in split.items() if not s} == replicated
     with pytest.raises(ValueError, match="no tensor-parallel rule for Kimi Linear parameter"):
-        kimi_param_spec("rotary", config, tp)
+        param_spec("rotary", config, tp)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,8 @@ from typing import Any
 import numpy as np
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import build_engine, is_hybrid
-from tokenspeed_jax.hybrid_reference import HybridReferenceGenerator
+from tokenspeed_jax.engine.engine import build_engine
 from tokenspeed_jax.outputs import Completion
-from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -50,8 +48,7 @@ class LLM:
         self.model = bundle.loaded.model
         self.tokenizer = bundle.loaded.tokenizer
         self.model_path = bundle.loaded.path
-        generator = HybridReferenceGenerator if is_hybrid(bundle.loaded.config) else ReferenceGenerator
-        self.reference = generator(self.model, self.tokenizer)
+        self.reference = bundle.loaded.family.reference_generator()(self.model, self.tokenizer)
 
     def generate(
         self,

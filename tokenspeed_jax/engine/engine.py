@@ -39,9 +39,10 @@ Invariants:
   start to the next: sized from free memory when ``num_pages`` is not set, it is recorded beside
   the executable cache and later starts of the same setup keep it while it fits in the memory
   free then (``num_kv_pages``, ``sizing_record``); with the cache off each start sizes anew.
-* A hybrid model (Kimi-Linear: recurrent KDA state beside a paged latent cache) runs on
-  ``KimiRunner`` with a state pool of ``max_num_seqs`` live rows plus, with prefix caching, as
-  many checkpoint rows (``state_slots.StateSlots``); any other model runs on ``ModelRunner``.
+* A model runs on the runner its family names (``models/registry.py``). A family with recurrent
+  state (Kimi-Linear: KDA state beside a paged latent cache) gets a state pool of
+  ``max_num_seqs`` live rows plus, with prefix caching, as many checkpoint rows
+  (``state_slots.StateSlots``).
 """
 
 from __future__ import annotations
@@ -311,14 +312,12 @@ class Engine:
         manager = self.block_manager
         scheduler = self.scheduler
         slots = self.state_slots
-        state = {} if slots is None else {
-            "state_slots_total": slots.num_live,
-            "state_slots_used": slots.num_live - slots.num_free,
-            "kda_checkpoints_written": slots.checkpoints_written,
-            "kda_checkpoint_hits": slots.checkpoint_hits,
-        }
-        return {
-            **state,
+        live = 0 if slots is None else slots.num_live
+        return {  # the same keys for every model family: state slots count 0 without them
+            "state_slots_total": live,
+            "state_slots_used": 0 if slots is None else live - slots.num_free,
+            "kda_checkpoints_written": 0 if slots is None else slots.checkpoints_written,
+            "kda_checkpoint_hits": 0 if slots is None else slots.checkpoint_hits,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_pages_total": manager.num_pages,
@@ -443,33 +442,6 @@ CPU_MEMORY_SHARE = 0.1
 KV_PAGE_ROUNDING = 256
 
 
-def is_hybrid(model_config: Any) -> bool:
-    """A model with recurrent KDA state beside its attention cache (Kimi-Linear)."""
-    return getattr(model_config, "model_type", None) == "kimi_linear"
-
-
-def kv_page_bytes(model_config: Any, page_size: int, dtype: Any) -> int:
-    """Bytes of one KV page over all attention layers: K and V, [page_size, kv_heads, head_dim]
-    each; for a hybrid model one latent row [page_size, latent_dim] per MLA layer."""
-    import numpy as np
-
-    itemsize = np.dtype(dtype).itemsize
-    if is_hybrid(model_config):
-        return page_size * model_config.latent_dim * len(model_config.mla_layers) * itemsize
-    per_layer = 2 * page_size * model_config.num_key_value_heads * model_config.head_dim
-    return per_layer * model_config.num_hidden_layers * itemsize
-
-
-def state_slot_bytes(model_config: Any, dtype: Any, state_dtype: Any) -> int:
-    """Bytes of one KDA state-pool row over all KDA layers: the recurrent state (in
-    ``state_dtype``) and the conv window (in the model's ``dtype``)."""
-    import numpy as np
-
-    h, k = model_config.linear_num_heads, model_config.linear_head_dim
-    conv = (model_config.conv_kernel_size - 1) * 3 * h * k * np.dtype(dtype).itemsize
-    return (h * k * k * np.dtype(state_dtype).itemsize + conv) * len(model_config.kda_layers)
-
-
 def hybrid_state_slots(config: EngineConfig) -> StateSlots:
     """The state rows of a hybrid model: ``max_num_seqs`` live rows, plus as many checkpoint rows
     when prefix caching is on (the caller turns it off when checkpoints cannot line up with
@@ -579,18 +551,18 @@ class EngineBundle:
     """A ready engine and what start-up produced on the way."""
 
     engine: Engine
-    runner: Any  # ModelRunner or KimiRunner
+    runner: Any  # of the runner class the model's family names
     compile_summary: Any  # graph.CompileSummary
     model_path: str
     seconds: float
-    loaded: Any  # models.loader.LoadedModel
+    loaded: Any  # models.loader.LoadedModel (with its family)
     config: EngineConfig  # as run: buckets clamped, prefix caching off where it cannot work
 
 
 def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     """Load the model (unless ``loaded`` is given), size the KV cache, compile every executable,
     return a ready engine."""
-    from tokenspeed_jax.engine.model_runner import ModelRunner, stacked_copy_bytes
+    from tokenspeed_jax.engine.model_runner import stacked_copy_bytes
     from tokenspeed_jax.models.loader import load_model
 
     start = time.perf_counter()
@@ -603,14 +575,15 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     mesh = parallel.make_mesh(config.tensor_parallel_size)
     if loaded is None:
         loaded = load_model(config.model, dtype=config.dtype, mesh=mesh)
+    family = loaded.family
     dtype = getattr(loaded.model, "dtype", "float32")
-    page_bytes = kv_page_bytes(loaded.config, config.page_size, dtype)
+    page_bytes = family.kv_page_bytes(loaded.config, config.page_size, dtype)
     if mesh is not None:  # each device holds its share of every page; free memory is per device
-        parallel.check_model(loaded.config, mesh.size)
-        page_bytes = -(-page_bytes // parallel.kv_cache_shards(loaded.config, mesh.size))
+        family.check_split(loaded.config, mesh.size)
+        page_bytes = -(-page_bytes // family.kv_cache_shards(loaded.config, mesh.size))
     state_slots = None
     reserved = 0
-    if is_hybrid(loaded.config):
+    if family.has_recurrent_state:
         if config.enable_prefix_caching and config.prefix_granularity % config.page_size:
             logger.warning(
                 "prefix caching is off for this hybrid model: prefix_granularity=%d is not a "
@@ -620,18 +593,17 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         state_slots = hybrid_state_slots(config)
         # KDA state rows are split by head: each device holds 1/N of every row
         reserved = -(-state_slots.num_slots
-                     * state_slot_bytes(loaded.config, dtype, config.kda_state_dtype)
+                     * family.state_slot_bytes(loaded.config, dtype, config.kda_state_dtype)
                      // parallel.mesh_size(mesh))
     if state_slots is None:
         reserved += stacked_copy_bytes(config, loaded.model)
     num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))
+    runner_class = family.runner_class()
     if state_slots is None:
-        runner = ModelRunner(loaded.model, config, num_pages, config.page_size)
+        runner = runner_class(loaded.model, config, num_pages, config.page_size)
     else:
-        from tokenspeed_jax.engine.kimi_runner import KimiRunner
-
-        runner = KimiRunner(loaded.model, config, num_pages=num_pages,
-                            num_state_slots=state_slots.num_slots, page_size=config.page_size)
+        runner = runner_class(loaded.model, config, num_pages=num_pages,
+                              num_state_slots=state_slots.num_slots, page_size=config.page_size)
     summary = runner.compile_all()
     budget = config.prefill_token_limit if config.chunked_prefill_size else config.max_model_len
     engine = Engine(

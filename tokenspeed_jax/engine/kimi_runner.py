@@ -20,6 +20,8 @@ segments with the same pieces and wiring are one executable. Routes per step:
 
 A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
 route and the rest on the route they take, joined back in batch order (``mixed_splits``).
+Counts use every runner's vocabulary (``runner_stats``): inline and ordinary steps are
+``prefill_runs``, the ordinary ones also ``ordinary_runs``.
 
 State: per KDA layer a recurrent pool ``state.i [P, H, V, K]`` (each state transposed; fp32, or
 bf16 with ``EngineConfig.kda_state_dtype``) and a conv pool
@@ -28,11 +30,11 @@ their rows (``StepRequest.state_slot``); every pool is donated and updated in pl
 request at position 0 starts from zero states (its rows are reset inside the plan); a later chunk
 or decode step continues from what its rows hold (its previous chunk, or a restored checkpoint).
 
-Tensor parallelism (``tensor_parallel_size`` > 1): the weights are placed with
-``parallel.place_model``, the state and conv pools split by head and the latent pages replicated
-(``parallel.kimi_pool_sharding``); every executable is compiled over the mesh with the hand-off
-values' shardings of ``parallel.kimi_plan_value_shardings``, and the pieces run the KDA kernels and
-the routed experts per shard (``shard_map``).
+Tensor parallelism (``tensor_parallel_size`` > 1): the weights are placed with the family's
+``place_model``, the state and conv pools split by head and the latent pages replicated
+(``kimi_linear.sharding.pool_sharding``); every executable is compiled over the mesh with the
+hand-off values' shardings of ``kimi_linear.sharding.plan_value_shardings``, and the pieces run
+the KDA kernels and the routed experts per shard (``shard_map``).
 
 Invariants:
 
@@ -79,6 +81,7 @@ from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, Step
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.model_runner import engine_compiler, ladder_compiler
+from tokenspeed_jax.engine.runner_stats import new_counters, runner_stats
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
@@ -112,8 +115,10 @@ from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
-from tokenspeed_jax.models.kimi_linear_layers import KdaImpl, KdaMeta, kda_core
+from tokenspeed_jax.models.kimi_linear import sharding as kimi_sharding
+from tokenspeed_jax.models.kimi_linear.layers import KdaImpl, KdaMeta, kda_core
 from tokenspeed_jax.models.mla import paged_latent_decode, paged_latent_prefill, write_latent
+from tokenspeed_jax.models.registry import family_of
 
 KDA_META = ("cu_seqlens", "kda_slots", "checkpoint_offsets", "checkpoint_slots")
 FRESH = "fresh_slots"  # [N]: the state slot of each request starting at position 0, else -1
@@ -243,7 +248,7 @@ class KimiRunner:
         self.dtype = model.dtype
         self.mesh = parallel.make_mesh(config.tensor_parallel_size)
         if self.mesh is not None:
-            parallel.place_model(model, self.mesh)
+            family_of(model.config).place_model(model, self.mesh)
         layers = list(model.layers)
         self.kinds = [layer.kind for layer in layers]
         graphdefs: list[Any] = []
@@ -271,7 +276,7 @@ class KimiRunner:
             engine_compiler(config, description="allocating the state pools and latent pages",
                             fingerprint=None, mesh=self.mesh),
             {name: jax.ShapeDtypeStruct(shape, dtype, sharding=None if self.mesh is None
-                                        else parallel.kimi_pool_sharding(name, self.mesh))
+                                        else kimi_sharding.pool_sharding(name, self.mesh))
              for name, (shape, dtype) in shapes.items()})
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._builder = PlanBuilder()
@@ -298,9 +303,7 @@ class KimiRunner:
         self._compiled: dict[tuple, CompiledPlan] = {}
         self.ladders: LadderCompiler | None = None  # set by compile_all
         self.compiled = False
-        self.counters = dict.fromkeys(("inline_runs", "ordinary_runs", "decode_runs",
-                                       "eager_runs", "mixed_splits", "real_tokens",
-                                       "padded_tokens", "restores"), 0)
+        self.counters = new_counters()
 
     # ----------------------------------------------------------------- pieces
 
@@ -512,7 +515,7 @@ class KimiRunner:
         ladders = self.ladders = ladder_compiler(
             self.config, self.buckets, description="compiling Kimi executables",
             fingerprint=self.cache_fingerprint(), mesh=self.mesh)
-        shardings = {} if self.mesh is None else parallel.kimi_plan_value_shardings(
+        shardings = {} if self.mesh is None else kimi_sharding.plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
@@ -667,7 +670,9 @@ class KimiRunner:
         inputs, attention, head = (self._decode_arrays(requests, rows) if decode
                                    else self.step_arrays(requests, tokens, rows))
         self.restore(requests)
-        self.counters[f"{route}_runs"] += 1
+        self.counters["decode_runs" if decode else "prefill_runs"] += 1
+        if route == "ordinary":
+            self.counters["ordinary_runs"] += 1
         self.counters["real_tokens"] += total
         self.counters["padded_tokens"] += tokens - total
         board = {"board": self.board} if decode else {}
@@ -717,7 +722,7 @@ class KimiRunner:
             dst = np.full(self.restore_rows, -1, np.int32)
             chunk = pairs[start:start + self.restore_rows]
             src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
-            self.counters["restores"] += len(chunk)
+            self.counters["kda_state_restores"] += len(chunk)
             states = {n: self.pools[n] for n in self.state_pools}
             out = self._compiled["restore", self.restore_rows, self.restore_rows].run(
                 {"restore_src": jax.device_put(src), "restore_dst": jax.device_put(dst), **states})
@@ -728,9 +733,10 @@ class KimiRunner:
         self.pools = {name: values[name] for name in self.pools}
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters, "resample_runs": self.resampler.runs,
-                "runtime_compiles": self.guard.runtime_compiles,
-                **(self.ladders.stats() if self.ladders is not None else {})}
+        """Runtime compiles, route counts and padding waste since start-up; buckets ready
+        (``runner_stats``)."""
+        return runner_stats(self.counters, resampler=self.resampler, guard=self.guard,
+                            ladders=self.ladders)
 
 
 def _copy_rows(params: Any, src: jax.Array, dst: jax.Array, *pools: jax.Array) -> tuple:

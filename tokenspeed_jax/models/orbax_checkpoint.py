@@ -2,7 +2,7 @@
 
 Layout of a converted directory::
 
-    config.json       LlamaConfig.to_hf()
+    config.json       the model config's to_hf() (its model_type names the family)
     nnx_state/        orbax StandardCheckpointer save of nnx.state(model)
     tokenizer.json, tokenizer_config.json
 
@@ -10,8 +10,8 @@ Invariants:
 
 * Restore goes straight into the abstract state of ``nnx.eval_shape``: no random init, no second
   copy; orbax casts to the abstract state's dtype, so any saved dtype loads as any requested one.
-* With a ``mesh``, every leaf of the abstract state carries its tensor-parallel
-  ``NamedSharding`` (``parallel.llama_state_shardings``), so orbax reads each device's shard
+* With ``shardings`` (tensor parallelism: the family's ``state_shardings`` over a mesh), every
+  leaf of the abstract state carries its ``NamedSharding``, so orbax reads each device's shard
   straight into place.
 * The saved tree must match the model's tree exactly (same paths and shapes); otherwise the
   restore fails with a ValueError naming the directory.
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh
-
-from tokenspeed_jax import parallel
-from tokenspeed_jax.models.llama import LlamaForCausalLM
 
 STATE_DIR = "nnx_state"
 
@@ -38,7 +36,7 @@ def is_orbax_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / STATE_DIR).is_dir()
 
 
-def save_orbax(model: LlamaForCausalLM, dst: str | os.PathLike) -> None:
+def save_orbax(model: Any, dst: str | os.PathLike) -> None:
     """Write config.json and the model's NNX state under ``dst`` (which must not hold a state)."""
     root = Path(dst)
     if (root / STATE_DIR).exists():
@@ -51,17 +49,16 @@ def save_orbax(model: LlamaForCausalLM, dst: str | os.PathLike) -> None:
     checkpointer.wait_until_finished()
 
 
-def restore_orbax(model_abstract: LlamaForCausalLM, src: str | os.PathLike,
-                  mesh: Mesh | None = None) -> LlamaForCausalLM:
+def restore_orbax(model_abstract: Any, src: str | os.PathLike,
+                  shardings: Callable[[Any], Any] | None = None) -> Any:
     """Fill an abstract model (from ``nnx.eval_shape``) with the state saved under ``src``;
-    ``mesh``: restore each tensor sharded over it."""
+    ``shardings``: abstract state -> a tree like it of the shardings to restore into."""
     graphdef, abstract_state = nnx.split(model_abstract)
-    if mesh is not None:
-        shardings = parallel.llama_state_shardings(abstract_state, model_abstract.config, mesh)
+    if shardings is not None:
         abstract_state = jax.tree_util.tree_map(
             lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype,
                                                         sharding=sharding),
-            abstract_state, shardings)
+            abstract_state, shardings(abstract_state))
     state_dir = (Path(src) / STATE_DIR).absolute()
     try:
         state = ocp.StandardCheckpointer().restore(state_dir, abstract_state)

@@ -9,6 +9,8 @@ Invariants:
 * Everything else is read from the engine and the runner at scrape time (``EngineCollector``),
   so a scrape shows the state at that moment.
 * ``tokenspeed_ready`` is 1 exactly while the engine is attached and its loop is alive.
+* Every runner exposes the same statistics whatever the model family (``engine/runner_stats.py``),
+  so the metric names do not change with the model.
 * A statistic of ``Engine.stats()`` or a runner's ``stats()`` is a counter only when
   ``COUNTERS`` lists it: it starts at zero with the engine and never decreases, which is what
   ``rate()`` relies on. ``GAUGES`` lists the levels. A numeric statistic in neither table (one
@@ -47,11 +49,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "tokenspeed_kda_checkpoints_written_total", "KDA state checkpoints written."),
     "kda_checkpoint_hits": (
         "tokenspeed_kda_checkpoint_hits_total", "Prefix lookups that found a KDA checkpoint."),
-    "prefill_graph_runs": ("tokenspeed_prefill_graph_runs_total", "Prefill executables run."),
-    "decode_graph_runs": ("tokenspeed_decode_graph_runs_total", "Decode executables run."),
-    "inline_runs": ("tokenspeed_inline_runs_total", "Executables of the inline route run."),
-    "ordinary_runs": ("tokenspeed_ordinary_runs_total", "Executables of the ordinary route run."),
-    "decode_runs": ("tokenspeed_decode_runs_total", "Executables of the decode route run."),
+    "prefill_runs": (
+        "tokenspeed_prefill_runs_total", "Compiled prefill and extend steps, on any route."),
+    "ordinary_runs": (
+        "tokenspeed_ordinary_runs_total",
+        "Compiled prefill steps with each recurrent layer's kernel at a break (0 without one)."),
+    "decode_runs": ("tokenspeed_decode_runs_total", "Compiled decode steps."),
     "eager_runs": (
         "tokenspeed_eager_runs_total", "Forwards run op by op, at their exact size."),
     "chunked_prefill_splits": (
@@ -68,7 +71,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Mixed steps run as their decode rows and the rest, separately."),
     "real_tokens": ("tokenspeed_real_tokens_total", "Request tokens run."),
     "padded_tokens": ("tokenspeed_padded_tokens_total", "Padding tokens run to fill a bucket."),
-    "restores": (
+    "kda_state_restores": (
         "tokenspeed_kda_state_restores_total", "KDA states restored from a checkpoint."),
     "resample_runs": (
         "tokenspeed_resample_runs_total",

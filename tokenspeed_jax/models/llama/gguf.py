@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): architecture metadata and tensors, renamed to HF names.
+"""The Llama family's GGUF files (llama.cpp): architecture metadata and tensors, renamed to HF
+names.
 
 ``gguf_file`` parses the header; this module turns it into a LlamaConfig and HF tensors. Renaming
 and value transforms are separate steps: ``hf_name`` maps a GGUF tensor name to the HF name,
@@ -25,7 +26,7 @@ import gguf
 import numpy as np
 
 from tokenspeed_jax.models.gguf_file import GGUFFile
-from tokenspeed_jax.models.llama import LlamaConfig
+from tokenspeed_jax.models.llama.model import SUPPORTED_MODEL_TYPES, LlamaConfig
 
 SUPPORTED_QUANTS = frozenset({
     gguf.GGMLQuantizationType.F32,
@@ -55,6 +56,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp permutes the Q/K rows of these architectures only (module docstring)
+PERMUTED_QK_ARCHITECTURES = ("llama",)
 
 
 def _float32_value(value: float) -> float:
@@ -62,16 +65,13 @@ def _float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def gguf_architecture(gguf_file: GGUFFile) -> str:
-    return str(gguf_file.field("general.architecture"))
-
-
 def config_from_gguf(gguf_file: GGUFFile) -> LlamaConfig:
     """Build a LlamaConfig from ``{arch}.*`` metadata; the vocab is the tokenizer's list."""
     field = gguf_file.field
-    arch = gguf_architecture(gguf_file)
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; expected llama, qwen2 or qwen3")
+    arch = gguf_file.architecture
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; expected one of "
+                         f"{SUPPORTED_MODEL_TYPES}")
     scaling_type = field(f"{arch}.rope.scaling.type", "none")
     tensor_names = {t.name for t in gguf_file.tensors}
     if scaling_type != "none" or "rope_freqs.weight" in tensor_names:
@@ -129,7 +129,7 @@ def iter_gguf_tensors(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (HF name, float32 array in HF layout) for every tensor, one at a time."""
     permuted_heads = {}
-    if config.model_type == "llama":
+    if config.model_type in PERMUTED_QK_ARCHITECTURES:
         permuted_heads = {"attn_q": config.num_attention_heads,
                           "attn_k": config.num_key_value_heads}
     for tensor in gguf_file.tensors:

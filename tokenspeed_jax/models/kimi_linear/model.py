@@ -1,6 +1,6 @@
 """Kimi-Linear (KDA + MLA + MoE hybrid) as Flax NNX modules, loaded from its own checkpoints.
 
-Layers are either KDA (linear attention with a recurrent state, ``kimi_linear_layers``) or MLA
+Layers are either KDA (linear attention with a recurrent state, ``kimi_linear.layers``) or MLA
 (latent attention over a KV cache, ``mla``); the feed-forward is a dense SwiGLU for the first
 ``first_k_dense_replace`` layers and a sigmoid-routed MoE with shared experts after (``moe``).
 
@@ -27,8 +27,7 @@ Invariants:
   ``checkpoint_name`` renames that to the checkpoint's ``mlp.`` before anything else reads it.
 * ``hf_weight_map`` is the one place that converts checkpoint names and ``[out, in]`` layouts;
   per-expert tensors (``block_sparse_moe.experts.<e>.w{1,2,3}``) are stacked into ``[E, ...]``.
-  ``build_kimi_model`` checks both directions (unused tensor, unfilled parameter) like the
-  dense loader.
+  The loader checks both directions (unused tensor, unfilled parameter) as for every family.
 * Router weights, the correction bias, ``A_log`` and ``dt_bias`` stay float32 whatever the
   weight dtype.
 """
@@ -36,11 +35,8 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 import re
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -49,10 +45,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.attention_ref import cache_causal_mask, masked_attention
 from tokenspeed_jax.models import hf_checkpoint
-from tokenspeed_jax.models.kimi_linear_layers import (
+from tokenspeed_jax.models.kimi_linear.layers import (
     KdaImpl,
     KdaMeta,
     KimiDeltaAttention,
@@ -469,53 +464,3 @@ def checkpoint_name(name: str, config: KimiLinearConfig) -> str:
     if match and int(match[1]) < config.first_k_dense_replace:
         return f"model.layers.{match[1]}.mlp.{match[2]}"
     return name
-
-
-def abstract_kimi_model(config: KimiLinearConfig, dtype: Any) -> KimiLinearForCausalLM:
-    """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
-    return nnx.eval_shape(
-        lambda: KimiLinearForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
-
-
-def build_kimi_model(
-    config: KimiLinearConfig,
-    tensors: Iterable[tuple[str, np.ndarray]],
-    *,
-    dtype: Any = jnp.float32,
-    source: str = "checkpoint",
-    mesh: Mesh | None = None,
-) -> KimiLinearForCausalLM:
-    """Fill an abstract model from (checkpoint name, array) pairs; see the module invariants.
-    ``mesh``: each parameter goes from the host straight onto its tensor-parallel sharding."""
-    if mesh is not None:
-        parallel.check_kimi(config, mesh.size)
-    graphdef, state = nnx.split(abstract_kimi_model(config, dtype))
-    tensors = ((checkpoint_name(name, config), array) for name, array in tensors)
-    hf_checkpoint.fill_state(state, kimi_weight_map(config), tensors, source=source,
-                             model_type=MODEL_TYPE,
-                             ignored=lambda name: name.endswith("rotary_emb.inv_freq"),
-                             place=functools.partial(parallel.place_param, config=config,
-                                                     mesh=mesh))
-    return nnx.merge(graphdef, state)
-
-
-def is_kimi_dir(path: Path) -> bool:
-    """An HF directory whose config.json declares ``model_type: kimi_linear``."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        return False
-    config = hf_checkpoint.read_json(config_path)
-    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
-
-
-def load_kimi_hf(path: str | os.PathLike, dtype: Any, mesh: Mesh | None = None
-                 ) -> tuple[KimiLinearConfig, KimiLinearForCausalLM]:
-    """Config and model of a Kimi-Linear HF directory, weights in ``dtype`` (sharded over
-    ``mesh`` when given)."""
-    root = Path(path)
-    config = KimiLinearConfig.from_hf(hf_checkpoint.read_json(root / "config.json"))
-    if mesh is not None:
-        parallel.check_kimi(config, mesh.size)
-    model = build_kimi_model(config, hf_checkpoint.iter_hf_tensors(root), dtype=dtype,
-                             source=str(root), mesh=mesh)
-    return config, model

@@ -1,0 +1,47 @@
+"""The Llama family's declaration: Llama 3, Qwen2, Qwen3 and SmolLM2, from HF directories and
+GGUF files, served by ``ModelRunner`` over a paged K/V cache.
+
+Invariants: a page holds K and V ``[page_size, Hkv, Dh]`` per layer; the checkpoint tensors
+allowed to go unused are rotary ``inv_freq`` buffers and, with tied embeddings, a redundant
+``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenspeed_jax.models.family import Family, GGUFReader
+from tokenspeed_jax.models.llama import gguf, sharding
+from tokenspeed_jax.models.llama.model import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+
+
+def ignored_tensor(name: str, config: LlamaConfig) -> bool:
+    """Checkpoint tensors that may be present but carry nothing the model needs."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def kv_page_bytes(config: LlamaConfig, page_size: int, dtype: Any) -> int:
+    """Bytes of one KV page over all layers: K and V, [page_size, kv_heads, head_dim] each."""
+    per_layer = 2 * page_size * config.num_key_value_heads * config.head_dim
+    return per_layer * config.num_hidden_layers * np.dtype(dtype).itemsize
+
+
+FAMILY = Family(
+    name="llama",
+    model_types=SUPPORTED_MODEL_TYPES,
+    config_from_hf=LlamaConfig.from_hf,
+    model_class=LlamaForCausalLM,
+    weight_map=LlamaForCausalLM.hf_weight_map,
+    ignored_tensor=ignored_tensor,
+    check_split=sharding.check_split,
+    param_spec=sharding.param_spec,
+    kv_page_bytes=kv_page_bytes,
+    kv_cache_shards=sharding.kv_cache_shards,
+    runner="tokenspeed_jax.engine.model_runner:ModelRunner",
+    reference="tokenspeed_jax.reference:ReferenceGenerator",
+    gguf=GGUFReader(config=gguf.config_from_gguf, tensors=gguf.iter_gguf_tensors),
+)
