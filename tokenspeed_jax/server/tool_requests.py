@@ -47,7 +47,7 @@ FormatParser = HermesParser | Llama3Parser
 
 
 def _bad(message: str, param: str) -> APIError:
-    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+    return APIError(HTTPStatus.BAD_REQUEST, f"{param}: {message}", param=param)
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,12 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     if not body.tools:
         if choice in (None, "none", "auto"):
             return None
-        raise _bad("tool_choice asks for a tool call but the request sends no tools",
+        raise _bad(f"{choice!r} asks for a tool call but the request sends no tools",
                    "tool_choice")
     try:
         names = [name for name, _, _ in check_tools(body.tools)]
     except GrammarSpecError as error:
-        raise _bad(str(error), error.field) from error
+        raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.field) from error
     tools = tuple(body.tools)
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice in ("none", "auto", "required"):
@@ -102,11 +102,11 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function"
             and isinstance(name, str)):
-        raise _bad('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                   f'"function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
+        raise _bad('must be "none", "auto", "required" or {"type": "function", "function": '
+                   f'{{"name": ...}}}}, got {choice!r}', "tool_choice")
     if name not in names:
-        raise _bad(f"tool_choice names the function {name!r}, which is not among the tools "
-                   f"{names}", "tool_choice.function.name")
+        raise _bad(f"names the function {name!r}, which is not among the tools {names}",
+                   "tool_choice.function.name")
     return ToolPlan(tools, "function", name, parallel=parallel)
 
 
@@ -128,7 +128,7 @@ def _calls(message: ChatMessage, i: int) -> list[FunctionCall]:
         try:
             arguments = json.loads(call.function.arguments)
         except json.JSONDecodeError as error:
-            raise _bad(f"the arguments of a tool call are not JSON: {error}",
+            raise _bad(f"the arguments of a tool call must be JSON text: {error}",
                        f"messages.{i}.tool_calls.{j}.function.arguments") from error
         if not isinstance(arguments, dict):
             raise _bad("the arguments of a tool call must be a JSON object",
@@ -147,7 +147,7 @@ def template_messages(tokenizer: Tokenizer, body: ChatCompletionRequest,
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.role == "tool":
             if message.tool_call_id is None:
-                raise _bad("a tool message needs the tool_call_id of the call it answers",
+                raise _bad("a tool message needs the id of the call it answers",
                            f"messages.{i}.tool_call_id")
             entry["tool_call_id"] = message.tool_call_id
         calls = _calls(message, i)
