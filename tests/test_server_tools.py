@@ -45,7 +45,8 @@ TOOLS = [WEATHER, CLOCK]
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "Weather?"}]
 SERVED = dataclasses.replace(CONFIG, max_model_len=256, num_pages=48)
-HERMES_CALL = r'<tool_call>\{"name": "weather", "arguments": \{"city": "(Oslo|Lima)", "days": [1-7]\}\}</tool_call>'  # noqa: E501
+HERMES_CALL = (r'<tool_call>\{"name": "weather", "arguments": '
+               r'\{"city": "(Oslo|Lima)", "days": [1-7]\}\}</tool_call>')
 
 
 @pytest.fixture(scope="module")

@@ -95,8 +95,8 @@ def replay(parser, text: str, cuts: list[int], limit: int | None = None):
 
 
 STREAMED = [
-    (HERMES, 'Sure.<tool_call>{"name": "a", "arguments": {"q": "x<y"}}</tool_call>'
-             '<tool_call>{"name": "b", "arguments": {}}</tool_call>'),
+    (HERMES, ('Sure.<tool_call>{"name": "a", "arguments": {"q": "x<y"}}</tool_call>'
+             '<tool_call>{"name": "b", "arguments": {}}</tool_call>')),
     (HERMES, "no calls here, just <b>text</b>"),
     (LLAMA3, '{"name": "a", "parameters": {"q": 1}}'),
     (ForcedCallParser("a"), '{"q": [1, 2]}'),

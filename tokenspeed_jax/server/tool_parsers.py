@@ -176,16 +176,16 @@ def _parse_json_sequence(text: str, arguments_key: str) -> tuple[FunctionCall, .
 
 @dataclass(frozen=True)
 class ForcedCallParser:
-    """The bare JSON a tool-call grammar forces: the arguments object of the function ``name``,
-    or (``name`` None) a list of ``{"name", "arguments"}`` calls, or one such call."""
+    """The bare JSON a tool-call grammar forces: the arguments object of ``function``, or
+    (``function`` None) a list of ``{"name", "arguments"}`` calls, or one such call."""
 
-    name: str | None = None
+    function: str | None = None
 
     def scan(self, text: str, final: bool) -> Scan:
-        if self.name is not None:
+        if self.function is not None:
             if final:
-                return Scan("", (FunctionCall(self.name, text),))
-            return Scan("", open_name=self.name, open_arguments=text)
+                return Scan("", (FunctionCall(self.function, text),))
+            return Scan("", open_name=self.function, open_arguments=text)
         if not final:
             return Scan("")
         try:

@@ -99,7 +99,8 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice in ("none", "auto", "required"):
         return ToolPlan(tools, choice or "auto", parallel=parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function"
             and isinstance(name, str)):
         raise _bad('must be "none", "auto", "required" or {"type": "function", "function": '
