@@ -2,16 +2,18 @@
 chat template that renders ``tools`` and past ``tool_calls`` as HF templates do.
 
 A named or ``required`` ``tool_choice`` is enforced by a grammar, so the sampled calls' arguments
-validate (``jsonschema``) against their tool's parameters; ``auto`` parses the Hermes calls the
-model writes (the tiny model writes one under a ``guided_regex``, since it never chooses to call a
-tool by itself); a stream reassembles to the non-streamed answer of the same seed; a conversation
-holding the assistant's calls and the tool's answer renders as the template renders it by hand.
+validate (``jsonschema``) against their tool's parameters; ``auto`` parses the calls the model
+writes in the Hermes or Llama 3 format (the tiny model writes one under a ``guided_regex``, since
+it never chooses to call a tool by itself); a stream reassembles to the non-streamed answer of
+the same seed; a conversation holding the assistant's calls and the tool's answer renders as the
+template renders it by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jsonschema
 import openai
@@ -50,7 +52,7 @@ HERMES_CALL = (r'<tool_call>\{"name": "weather", "arguments": '
 
 
 @pytest.fixture(scope="module")
-def served():
+def engine():
     loaded = load_model(MODEL_DIR)
     plain = loaded.tokenizer
     tokenizer = Tokenizer(plain.backend, chat_template=TEMPLATE, bos_token=plain.bos_token,
@@ -58,9 +60,19 @@ def served():
     bundle = build_engine(SERVED, dataclasses.replace(loaded, tokenizer=tokenizer))
     engine = AsyncEngine(bundle.engine)
     engine.start()
-    with running_server(ServerState(MODEL_NAME, engine, bundle.runner.stats), SERVED) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), tokenizer
+    yield ServerState(MODEL_NAME, engine, bundle.runner.stats), tokenizer
     engine.shutdown()
+
+
+def client_of(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    state, tokenizer = engine
+    with running_server(state, SERVED) as url:
+        yield client_of(url), tokenizer
 
 
 def ask(client, messages=ASK, **fields):
@@ -117,6 +129,26 @@ def test_auto_parses_the_call_the_model_writes(served):
                extra_body={"guided_regex": HERMES_CALL}).choices[0].message.content
     assert text == ('<tool_call>{"name": "weather", "arguments": '
                     f"{call.function.arguments}}}</tool_call>")
+
+
+def test_auto_keeps_the_text_before_a_call(served):
+    client, _ = served
+    (choice,) = ask(client, seed=2, temperature=1.0,
+                    extra_body={"guided_regex": "Checking[.]{1,3} " + HERMES_CALL}).choices
+    assert choice.finish_reason == "tool_calls"
+    assert re.fullmatch(r"Checking\.{1,3} ", choice.message.content)
+    assert [c.function.name for c in choice.message.tool_calls] == ["weather"]
+
+
+def test_the_llama3_parser_reads_a_bare_json_answer(engine):
+    state, _ = engine
+    with running_server(state, dataclasses.replace(SERVED, tool_call_parser="llama3")) as url:
+        (choice,) = ask(client_of(url), seed=4, temperature=1.0, extra_body={
+            "guided_regex": r'\{"name": "clock", "parameters": \{"utc": (true|false)\}\}'}
+        ).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "clock" and isinstance(check_call(call)["utc"], bool)
 
 
 def reassemble(chunks):

@@ -3,8 +3,8 @@
 Nothing here touches the engine or the network, so each conversion is testable alone. Bad values
 raise ``APIError`` (400) naming the field, and so do values of OpenAI fields that ask for what
 this server cannot do (``check_chat_supported``, ``check_completion_supported``: audio, images,
-insertion, the deprecated ``functions``); the fields that have no meaning here are listed by ``ignored_fields`` for the
-log. Caps hold before any costly work: a request asks for at most ``MAX_CHOICES`` completions
+insertion, the deprecated ``functions``); the fields that have no meaning here are listed by
+``ignored_fields`` for the log. Caps hold before any costly work: a request asks for at most ``MAX_CHOICES`` completions
 (prompts x n), gives at most ``max_stop_strings`` stop strings of at most ``MAX_STOP_CHARS``
 characters, and a text that cannot fit the context even at the tokenizer's most characters per
 token is refused before it is tokenized. A chat request's tools go through ``tool_requests``
