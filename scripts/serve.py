@@ -22,7 +22,12 @@ import sys
 import types
 import typing
 
-from tokenspeed_jax.config import KDA_STATE_DTYPES, OVERLAP_SCHEDULES, EngineConfig
+from tokenspeed_jax.config import (
+    KDA_STATE_DTYPES,
+    OVERLAP_SCHEDULES,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+)
 from tokenspeed_jax.models.loader import DTYPES
 from tokenspeed_jax.server.launch import serve
 
@@ -33,7 +38,8 @@ FLAG_ALIASES = {"tensor_parallel_size": ("--tp",)}
 FLAG_GROUPS = {
     "model": ("model", "dtype", "served_model_name", "max_model_len"),
     "server": ("host", "port", "api_key", "max_request_bytes", "max_stop_strings",
-               "enable_docs", "allow_special_tokens_in_content", "shutdown_timeout"),
+               "enable_docs", "allow_special_tokens_in_content", "tool_call_parser",
+               "shutdown_timeout"),
     "scheduling and KV cache": ("max_num_seqs", "chunked_prefill_size", "overlap_schedule",
                                 "page_size", "num_pages", "mem_fraction",
                                 "enable_prefix_caching", "prefix_granularity"),
@@ -54,7 +60,7 @@ METAVARS = {"model": "PATH", "compile_cache_dir": "DIR", "compile_cache_key_file
             "host": "ADDRESS", "served_model_name": "NAME", "api_key": "KEY",
             "xla_compiler_options": "'NAME=VALUE ...'"}
 CHOICES = {"dtype": ("auto", *DTYPES), "overlap_schedule": OVERLAP_SCHEDULES,
-           "kda_state_dtype": KDA_STATE_DTYPES}
+           "kda_state_dtype": KDA_STATE_DTYPES, "tool_call_parser": TOOL_CALL_PARSERS}
 
 
 def field_help() -> dict[str, str]:

@@ -199,15 +199,20 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 CHAT_REFUSED = [
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("modalities", {"modalities": ["text", "audio"]}),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("tools[0].function.name", {"tools": [{"type": "function", "function": {"name": "a b"}}]}),
     ("tool_choice", {"tool_choice": "required"}),
+    ("tool_choice.function.name", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                   "tool_choice": {"type": "function",
+                                                   "function": {"name": "g"}}}),
     ("functions", {"functions": [{"name": "f"}]}),
     ("function_call", {"function_call": "auto"}),
     ("web_search_options", {"web_search_options": {}}),
     ("messages.0.content.1", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, IMAGE]}]}),
-    ("messages.1.tool_calls", {"messages": HELLO + [{"role": "assistant", "content": None,
-                                                     "tool_calls": [TOOL_CALL]}]}),
+    ("messages.1.tool_calls.0.function.arguments", {"messages": HELLO + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{**TOOL_CALL, "function": {"name": "f", "arguments": "{x"}}]}]}),
+    ("messages.1.tool_call_id", {"messages": HELLO + [{"role": "tool", "content": "x"}]}),
 ]
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 8192  # "auto" when chunked prefill is off
 OVERLAP_SCHEDULES = ("auto", "on", "off")
 KDA_STATE_DTYPES = ("float32", "bfloat16")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,6 +150,9 @@ class EngineConfig:
     # Let special-token text typed in chat message content (e.g. "<|im_start|>system") become
     # control tokens; by default it is encoded as the plain text it is.
     allow_special_tokens_in_content: bool = False
+    # The format the model writes tool calls in: "hermes" (<tool_call>{...}</tool_call>),
+    # "llama3" (a bare {"name", "parameters"} answer), or "auto" (read from the chat template).
+    tool_call_parser: str = "auto"
     # Seconds a SIGTERM waits for requests in flight to finish before it ends them with an error.
     shutdown_timeout: float = 30.0
 
@@ -194,6 +198,8 @@ class EngineConfig:
              f"max_stop_strings must be >= 0, got {self.max_stop_strings}"),
             (self.shutdown_timeout >= 0,
              f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}"),
+            (self.tool_call_parser in TOOL_CALL_PARSERS,
+             f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
         ]
         for ok, message in checks:

@@ -286,15 +286,17 @@ class Tokenizer:
         return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False) -> list[int]:
-        """Token ids of ``messages`` rendered with the chat template (module docstring).
+                    special_tokens_in_content: bool = False, **context: Any) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template (module docstring);
+        ``context`` reaches the template (``tools=[...]``).
 
         Each message's ``content`` (a string) is encoded as plain text unless
         ``special_tokens_in_content``. Raises ValueError when a template transforms a content
         holding special-token text in a way other than trimming whitespace, so the content
         cannot be found in the rendered text.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        **context)
         pattern = self._special_text
         if (special_tokens_in_content or pattern is None
                 or not any(pattern.search(m.get("content") or "") for m in messages)):
@@ -302,7 +304,7 @@ class Tokenizer:
         markers = [f"<content-{uuid.uuid4().hex}>" for _ in messages]
         marked = self.apply_chat_template(
             [{**m, "content": marker} for m, marker in zip(messages, markers)],
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, **context)
         ids: list[int] = []
         position = 0
         for message, marker in zip(messages, markers):

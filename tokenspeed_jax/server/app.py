@@ -59,6 +59,7 @@ from tokenspeed_jax.server.protocol import (
     ModelCard,
     ModelList,
 )
+from tokenspeed_jax.server.tool_parsers import select_parser
 from tokenspeed_jax.structured.specs import GrammarSpecError
 
 logger = logging.getLogger(__name__)
@@ -155,11 +156,14 @@ def create_app(state: ServerState, config: EngineConfig | None = None) -> FastAP
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        parser = select_parser(config.tool_call_parser,
+                               ready_engine().engine.tokenizer.chat_template)
         prompts_of = functools.partial(
-            translate.chat_prompt_ids,
+            translate.chat_prompt_ids, parser=parser,
             special_tokens_in_content=config.allow_special_tokens_in_content)
         return await generate(body, request, prompts_of, translate.chat_params,
-                              translate.ChatFormatter, "chatcmpl", "messages")
+                              functools.partial(translate.ChatFormatter, parser=parser),
+                              "chatcmpl", "messages")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -324,8 +328,7 @@ async def _sse(events, formatter, choices: list[_Choice], usage_prompt: int):
                 yield _event(chunk)
             async for choice, output in events:
                 completion_tokens += len(output.new_token_ids)
-                chunk = formatter.chunk(choice.index, output)
-                if chunk is not None:
+                for chunk in formatter.chunks(choice.index, output):
                     yield _event(chunk)
     except APIError as error:
         yield _event(error_body(error.status, error.message, error.param, error.code))

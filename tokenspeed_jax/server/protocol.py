@@ -3,7 +3,7 @@
 Request fields follow the order of OpenAI's API reference; engine-only extras (vLLM-style) sit in
 a labelled block after them (``ENGINE_EXTRAS``). A request model accepts every field OpenAI's
 request schema defines: ``translate`` serves it, refuses it by name where the value asks for what
-this server cannot do (audio, images, tools), or ignores it with a note in the log where it has
+this server cannot do (audio, images), or ignores it with a note in the log where it has
 no meaning here (``IGNORED``). Requests forbid every other field, so a typo is a 400 rather than a
 silently ignored knob, and a body whose text is not valid Unicode (a lone surrogate from a
 ``\\udXXX`` escape) is a 400 before any of it reaches a tokenizer. A known top-level field sent
@@ -86,17 +86,30 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class MessageFunction(_Request):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Request):
+    """A tool call of an assistant message in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # an assistant message as the API returned it (``message.model_dump()``); ``translate``
-    # refuses non-null audio, function_call and tool_calls
+    # refuses non-null audio and the deprecated function_call
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: Any = None
     function_call: Any = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     # a tool message
     tool_call_id: str | None = None
 
@@ -121,7 +134,7 @@ class ResponseFormat(_Request):
 class ChatCompletionRequest(_Body):
     # Fields the API defines that have no meaning on this server: accepted, noted in the log.
     IGNORED: ClassVar[tuple[str, ...]] = (
-        "moderation", "parallel_tool_calls", "prediction", "prompt_cache_key",
+        "moderation", "prediction", "prompt_cache_key",
         "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "service_tier",
         "store", "verbosity")
     ENGINE_EXTRAS: ClassVar[frozenset[str]] = frozenset({
@@ -248,9 +261,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -269,9 +294,24 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first of a call carries its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

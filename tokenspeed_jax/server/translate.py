@@ -3,15 +3,17 @@
 Nothing here touches the engine or the network, so each conversion is testable alone. Bad values
 raise ``APIError`` (400) naming the field, and so do values of OpenAI fields that ask for what
 this server cannot do (``check_chat_supported``, ``check_completion_supported``: audio, images,
-tools, insertion); the fields that have no meaning here are listed by ``ignored_fields`` for the
-log. Caps hold before any costly work: a request asks for at most ``MAX_CHOICES`` completions
+insertion, the deprecated ``functions``); the fields that have no meaning here are listed by
+``ignored_fields`` for the log. Caps hold before any costly work: a request asks for at most ``MAX_CHOICES`` completions
 (prompts x n), gives at most ``max_stop_strings`` stop strings of at most ``MAX_STOP_CHARS``
 characters, and a text that cannot fit the context even at the tokenizer's most characters per
-token is refused before it is tokenized.
+token is refused before it is tokenized. A chat request's tools go through ``tool_requests``
+(prompt, grammar) and ``tool_parsers`` (the answer's ``tool_calls``, whole or streamed).
 """
 
 from __future__ import annotations
 
+import uuid
 from http import HTTPStatus
 from typing import Protocol
 
@@ -35,10 +37,15 @@ from tokenspeed_jax.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    FunctionCallOut,
     TextCompletion,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from tokenspeed_jax.server.tool_parsers import CallStream
+from tokenspeed_jax.server.tool_requests import FormatParser, template_messages, tool_plan
 from tokenspeed_jax.structured.specs import GrammarSpec, GrammarSpecError, spec_from_request
 from tokenspeed_jax.tokenizer import Tokenizer
 
@@ -62,7 +69,8 @@ def _logit_bias(body: ChatCompletionRequest | CompletionRequest) -> tuple[tuple[
 
 
 def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-            logprobs: int | None, max_stop_strings: int) -> SamplingParams:
+            logprobs: int | None, max_stop_strings: int,
+            tool_grammar: GrammarSpec | None = None) -> SamplingParams:
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options is only allowed with stream=true", "stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -89,22 +97,28 @@ def _params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | N
             n=body.n,
             logprobs=logprobs,
             logit_bias=_logit_bias(body),
-            grammar=_grammar(body),
+            grammar=_grammar(body, tool_grammar),
         )
     except SamplingParamsError as error:
         raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.param) from error
 
 
-def _grammar(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
-    """The request's output constraint: ``response_format`` (chat) or a vLLM-style field."""
+def _grammar(body: ChatCompletionRequest | CompletionRequest,
+             tool_grammar: GrammarSpec | None) -> GrammarSpec | None:
+    """The request's output constraint: ``response_format`` (chat), a vLLM-style field, or the
+    one a ``required`` or named ``tool_choice`` sets."""
     fields = {name: getattr(body, name) for name in GUIDED_FIELDS}
     response_format = getattr(body, "response_format", None)
     if response_format is not None:
         fields["response_format"] = response_format.model_dump(exclude_none=True)
     try:
-        return spec_from_request(fields)
+        spec = spec_from_request(fields)
     except GrammarSpecError as error:
         raise APIError(HTTPStatus.BAD_REQUEST, str(error), param=error.field) from error
+    if spec is not None and tool_grammar is not None:
+        raise _bad(f"tool_choice {body.tool_choice!r} constrains the output, so it cannot be "
+                   f"combined with {spec.field}", "tool_choice")
+    return spec or tool_grammar
 
 
 def chat_params(body: ChatCompletionRequest, max_stop_strings: int) -> SamplingParams:
@@ -118,7 +132,12 @@ def chat_params(body: ChatCompletionRequest, max_stop_strings: int) -> SamplingP
     max_tokens = body.max_tokens if body.max_completion_tokens is None \
         else body.max_completion_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _params(body, max_tokens, logprobs, max_stop_strings)
+    plan = tool_plan(body)
+    try:
+        tool_grammar = plan.grammar() if plan is not None else None
+    except GrammarSpecError as error:
+        raise _bad(str(error), error.field) from error
+    return _params(body, max_tokens, logprobs, max_stop_strings, tool_grammar)
 
 
 def completion_params(body: CompletionRequest, max_stop_strings: int) -> SamplingParams:
@@ -138,23 +157,20 @@ def _unless_none_choice(value: object) -> bool:
     return value not in (None, "none")
 
 
-NOT_YET = "is not yet supported by this server"
+DEPRECATED = "is OpenAI's deprecated form of tool calling; send tools and tool_choice instead"
 # field -> (whether a value is refused, why), for each OpenAI field whose values this server
 # serves only in part
 CHAT_REFUSED = {
     "audio": (_unless_none, "audio output is not supported: this server generates text"),
-    "functions": (_unless_empty, f"function calling {NOT_YET}"),
-    "function_call": (_unless_none_choice, f"function calling {NOT_YET}"),
+    "functions": (_unless_empty, DEPRECATED),
+    "function_call": (_unless_none_choice, DEPRECATED),
     "modalities": (lambda m: m is not None and m != ["text"],
                    'only the "text" output modality is supported'),
-    "tools": (_unless_empty, f"tool calling {NOT_YET}"),
-    "tool_choice": (_unless_none_choice, f'tool calling {NOT_YET} (tool_choice "none" only)'),
     "web_search_options": (_unless_none, "web search is not supported"),
 }
 MESSAGE_REFUSED = {
     "audio": (_unless_none, "audio in messages is not supported"),
-    "function_call": (_unless_none, f"function calls in messages {NOT_YET}"),
-    "tool_calls": (_unless_empty, f"tool calls in messages {NOT_YET}"),
+    "function_call": (_unless_none, f"{DEPRECATED} (tool_calls)"),
 }
 COMPLETION_REFUSED = {
     "suffix": (_unless_empty, ("suffix (insertion between a prompt and a suffix) is not "
@@ -209,10 +225,11 @@ def check_fits(tokenizer: Tokenizer, chars: int, max_model_len: int, param: str)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, *, max_model_len: int,
-                    special_tokens_in_content: bool) -> list[list[int]]:
-    """The one prompt of a chat request; special-token text in message content stays text
-    unless ``special_tokens_in_content``."""
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                    special_tokens_in_content: bool, parser: FormatParser) -> list[list[int]]:
+    """The one prompt of a chat request, its tools rendered for ``parser``'s format where the
+    template does not render them; special-token text in message content stays text unless
+    ``special_tokens_in_content``."""
+    messages, context = template_messages(tokenizer, body, parser)
     # every chat template renders at least one token per message (its role marker)
     check_fits(tokenizer, sum(len(m["content"]) for m in messages), max_model_len, "messages")
     if len(messages) > max_model_len:
@@ -221,7 +238,8 @@ def chat_prompt_ids(tokenizer: Tokenizer, body: ChatCompletionRequest, *, max_mo
                        code="context_length_exceeded")
     try:
         return [tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                      special_tokens_in_content=special_tokens_in_content)]
+                                      special_tokens_in_content=special_tokens_in_content,
+                                      **context)]
     except (ValueError, TypeError, jinja2.TemplateError) as error:
         raise APIError(HTTPStatus.BAD_REQUEST, f"the chat template cannot render these "
                        f"messages: {error}", param="messages") from error
@@ -266,7 +284,7 @@ class Formatter(Protocol):
 
     def opening(self, indices: list[int]) -> list[dict]: ...
 
-    def chunk(self, index: int, output: RequestOutput) -> dict | None: ...
+    def chunks(self, index: int, output: RequestOutput) -> list[dict]: ...
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict: ...
 
@@ -294,7 +312,24 @@ class _Base:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ChatFormatter(_Base):
+    """With tools to call (``tool_choice`` other than ``none``), each choice's text is read for
+    tool calls by the request's output parser: the answer's ``tool_calls``, or in a stream
+    ``delta.tool_calls`` pieces; finish reason ``tool_calls`` when a call was made and the model
+    stopped by itself."""
+
+    def __init__(self, response_id: str, model: str, tokenizer: Tokenizer,
+                 body: ChatCompletionRequest, *, parser: FormatParser):
+        super().__init__(response_id, model, tokenizer, body)
+        plan = tool_plan(body)
+        self.output_parser = plan.output_parser(parser) if plan is not None else None
+        self.limit = plan.limit if plan is not None else None
+        self.streams: dict[int, CallStream] = {}
+
     def opening(self, indices: list[int]) -> list[dict]:
         choices = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                    for i in indices]
@@ -313,30 +348,57 @@ class ChatFormatter(_Base):
                                             bytes=list(text.encode()), top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def chunk(self, index: int, output: RequestOutput) -> dict | None:
-        if not (output.new_text or output.finished or output.logprobs):
-            return None
-        choice = ChatChunkChoice(
-            index=index,
-            delta=ChatDelta(content=output.new_text or None),
-            logprobs=self.logprobs(output.logprobs),
-            finish_reason=output.finish_reason,
-        )
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=[choice]).model_dump()
+    @staticmethod
+    def finish_reason(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
+
+    def _deltas(self, index: int, output: RequestOutput) -> list[ChatDelta]:
+        if self.output_parser is None:
+            return [ChatDelta(content=output.new_text)] if output.new_text else []
+        stream = self.streams.setdefault(
+            index, CallStream(self.output_parser, _new_call_id, self.limit))
+        content, calls = stream.feed(output.new_text, output.finished)
+        return ([ChatDelta(content=content)] if content else []) + [
+            ChatDelta(tool_calls=[ToolCallDelta.model_validate(call)]) for call in calls]
+
+    def chunks(self, index: int, output: RequestOutput) -> list[dict]:
+        deltas = self._deltas(index, output)
+        if not (deltas or output.finished or output.logprobs):
+            return []
+        choices = [ChatChunkChoice(index=index, delta=delta) for delta in deltas or [ChatDelta()]]
+        choices[0].logprobs = self.logprobs(output.logprobs)
+        called = index in self.streams and self.streams[index].called
+        choices[-1].finish_reason = self.finish_reason(output.finish_reason, called)
+        return [ChatCompletionChunk(id=self.id, model=self.model, choices=[c]).model_dump()
+                for c in choices]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[],
                                    usage=_usage(prompt_tokens, completion_tokens)).model_dump()
 
+    def message(self, text: str) -> AssistantMessage:
+        """The answer of a choice: its text, or the tool calls it holds and the text outside
+        them (None when only whitespace)."""
+        scan = self.output_parser.scan(text, final=True) if self.output_parser else None
+        if scan is None or not scan.calls:
+            return AssistantMessage(content=text)
+        calls = [ToolCall(id=_new_call_id(), function=FunctionCallOut(name=c.name,
+                                                                      arguments=c.arguments))
+                 for c in scan.calls[:self.limit]]
+        return AssistantMessage(content=scan.content if scan.content.strip() else None,
+                                tool_calls=calls)
+
     def full(self, outputs: dict[int, list[RequestOutput]], prompt_tokens: int) -> dict:
         choices = []
         for index, outs in sorted(outputs.items()):
             entries = [e for o in outs for e in (o.logprobs or [])]
+            message = self.message("".join(o.new_text for o in outs))
             choices.append(ChatChoice(
                 index=index,
-                message=AssistantMessage(content="".join(o.new_text for o in outs)),
+                message=message,
                 logprobs=self.logprobs(entries) if any(o.logprobs for o in outs) else None,
-                finish_reason=outs[-1].finish_reason if outs else "abort",
+                finish_reason=self.finish_reason(outs[-1].finish_reason if outs else "abort",
+                                                 message.tool_calls is not None),
             ))
         return ChatCompletion(id=self.id, model=self.model, choices=choices,
                               usage=_usage(prompt_tokens, _completion_tokens(outputs))
@@ -377,16 +439,16 @@ class CompletionFormatter(_Base):
             text_offset=offsets,
         )
 
-    def chunk(self, index: int, output: RequestOutput) -> dict | None:
+    def chunks(self, index: int, output: RequestOutput) -> list[dict]:
         if not (output.new_text or output.finished or output.logprobs):
-            return None
+            return []
         choice = CompletionChoice(
             index=index,
             text=output.new_text,
             logprobs=self.logprobs(output.logprobs, 0) if output.logprobs else None,
             finish_reason=output.finish_reason,
         )
-        return TextCompletion(id=self.id, model=self.model, choices=[choice]).model_dump()
+        return [TextCompletion(id=self.id, model=self.model, choices=[choice]).model_dump()]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return TextCompletion(id=self.id, model=self.model, choices=[],

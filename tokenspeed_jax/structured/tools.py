@@ -11,7 +11,7 @@ Invariants:
 * A function without ``parameters`` takes no arguments: its arguments are the empty object.
 * ``tool_arguments_spec`` constrains the arguments object alone; ``tool_call_spec`` constrains
   ``{"name": <one of the tools' names>, "arguments": <that tool's arguments>}``, the object Hermes
-  and Llama 3 templates ask the model to write.
+  and Llama 3 templates ask the model to write, or with ``parallel`` a non-empty list of them.
 * The function's ``strict`` flag carries over to the spec as for ``response_format``: unset means
   unsupported schema keywords are ignored, not that the schema is optional.
 """
@@ -60,9 +60,9 @@ def tool_arguments_spec(tool: Any, field: str = "tool") -> GrammarSpec:
     return json_schema_spec(parameters, f"{field}.function.parameters", strict=strict)
 
 
-def tool_call_spec(tools: Sequence[Any], field: str = "tools") -> GrammarSpec:
-    """A spec for ``{"name", "arguments"}`` calling any one of ``tools`` (``tool_choice:
-    required``); strict when every tool is."""
+def check_tools(tools: Any, field: str = "tools") -> list[tuple[str, dict | bool, bool]]:
+    """Each tool's (name, parameters schema, strict), checked: a non-empty list of functions
+    with distinct names."""
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or not tools:
         raise GrammarSpecError(field, f"must be a non-empty list of tools, got {tools!r}")
     functions = [_function(tool, f"{field}[{i}]") for i, tool in enumerate(tools)]
@@ -70,6 +70,15 @@ def tool_call_spec(tools: Sequence[Any], field: str = "tools") -> GrammarSpec:
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise GrammarSpecError(field, f"function names must be distinct; repeated: {repeated}")
+    return functions
+
+
+def tool_call_spec(tools: Sequence[Any], field: str = "tools", *,
+                   parallel: bool = False) -> GrammarSpec:
+    """A spec for ``{"name", "arguments"}`` calling any one of ``tools`` (``tool_choice:
+    required``), or with ``parallel`` a non-empty list of such calls; strict when every tool
+    is."""
+    functions = check_tools(tools, field)
     calls = [
         {
             "type": "object",
@@ -80,4 +89,6 @@ def tool_call_spec(tools: Sequence[Any], field: str = "tools") -> GrammarSpec:
         for name, parameters, _ in functions
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if parallel:
+        schema = {"type": "array", "items": schema, "minItems": 1}
     return json_schema_spec(schema, field, strict=all(strict for _, _, strict in functions))
