@@ -284,6 +284,7 @@ DENSE_GAUGES = {
     "tokenspeed_prefix_cache_hit_rate", "tokenspeed_engine_decode_device_bound",
     "tokenspeed_state_slots_used", "tokenspeed_state_slots_capacity",
     "tokenspeed_padding_waste", "tokenspeed_buckets_ready", "tokenspeed_buckets_capacity",
+    "tokenspeed_plans_untuned",
 }
 HISTOGRAMS = {
     "tokenspeed_time_to_first_token_seconds", "tokenspeed_time_per_output_token_seconds",
