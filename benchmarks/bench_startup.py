@@ -133,7 +133,7 @@ def _engine(config):
     """``build_engine(config)`` as the server runs it, the checkpoint load timed on its own:
     (runner ready to serve, compile summary, checkpoint load seconds)."""
     from tokenspeed_jax import parallel
-    from tokenspeed_jax.engine.engine import build_engine
+    from tokenspeed_jax.engine.startup import build_engine
     from tokenspeed_jax.models.loader import load_model
 
     began = time.perf_counter()
@@ -291,7 +291,7 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     compiles = BackendCompiles()  # imports jax and the plan compiler: part of the import phase
     if args.case != "kda":  # the server's modules, timed as imports
-        for module in ("tokenspeed_jax.engine.engine", "tokenspeed_jax.models.loader"):
+        for module in ("tokenspeed_jax.engine.startup", "tokenspeed_jax.models.loader"):
             importlib.import_module(module)
 
     imported = time.perf_counter()

@@ -19,7 +19,7 @@ import openai
 import uvicorn
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import AsyncEngine
+from tokenspeed_jax.engine.async_engine import AsyncEngine
 from tokenspeed_jax.models.loader import load_model
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams

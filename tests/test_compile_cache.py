@@ -92,15 +92,15 @@ def _engine_start(options: dict, counted) -> dict:
 
     from serving import CONFIG
 
-    from tokenspeed_jax.engine import engine
+    from tokenspeed_jax.engine import startup
     from tokenspeed_jax.sampling_params import SamplingParams
 
-    engine.free_device_bytes = lambda: (options["free_bytes"], "test")
+    startup.free_device_bytes = lambda: (options["free_bytes"], "test")
     config = dataclasses.replace(CONFIG, num_pages=None, mem_fraction=ENGINE_MEM_FRACTION,
                                  compile_cache_dir=options["cache_dir"])
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     with counted():
-        bundle = engine.build_engine(config)
+        bundle = startup.build_engine(config)
         completions = bundle.engine.generate([(p, greedy) for p in ENGINE_PROMPTS])
     summary = bundle.compile_summary
     return {"pages": bundle.engine.block_manager.num_pages,

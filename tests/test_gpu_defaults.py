@@ -38,7 +38,8 @@ from serving import running_server
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
+from tokenspeed_jax.engine.async_engine import AsyncEngine
+from tokenspeed_jax.engine.startup import build_engine
 from tokenspeed_jax.kernels.paged_attention_backend import FUSED, PALLAS
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.server.launch import served_name

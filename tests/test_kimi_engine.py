@@ -20,7 +20,7 @@ from test_server import running_server, scrape
 from tiny_checkpoints import KIMI_VOCAB, tiny_kimi
 
 from tokenspeed_jax import LLM, SamplingParams
-from tokenspeed_jax.engine.engine import AsyncEngine
+from tokenspeed_jax.engine.async_engine import AsyncEngine
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.server.metrics import COUNTERS, GAUGES
 

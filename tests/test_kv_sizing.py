@@ -11,13 +11,13 @@ import logging
 import pytest
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine import engine, sizing_record
+from tokenspeed_jax.engine import sizing_record, startup
 
 PAGE_BYTES = 1000
 
 
 def config_with_free(monkeypatch, free_bytes: int, **options) -> EngineConfig:
-    monkeypatch.setattr(engine, "free_device_bytes", lambda: (free_bytes, "test"))
+    monkeypatch.setattr(startup, "free_device_bytes", lambda: (free_bytes, "test"))
     return EngineConfig(**{"max_model_len": 1024, "page_size": 16, "mem_fraction": 0.5,
                            **options})
 
@@ -25,7 +25,7 @@ def config_with_free(monkeypatch, free_bytes: int, **options) -> EngineConfig:
 def pages_with_free(monkeypatch, free_bytes: int, **options) -> int:
     """The page count sized from ``free_bytes`` alone (no record: the cache is off)."""
     config = config_with_free(monkeypatch, free_bytes, compile_cache=False, **options)
-    return engine.num_kv_pages(config, PAGE_BYTES)
+    return startup.num_kv_pages(config, PAGE_BYTES)
 
 
 def affording(pages: int, reserved_bytes: int = 0) -> int:
@@ -53,7 +53,7 @@ def recorded_pages(monkeypatch, tmp_path, free_bytes: int, *, reserved_bytes: in
     """The page count with the cache (and its sizing record) in ``tmp_path``."""
     config = config_with_free(monkeypatch, free_bytes, max_num_seqs=1000,
                               compile_cache_dir=str(tmp_path), **options)
-    return engine.num_kv_pages(config, PAGE_BYTES, reserved_bytes, model=model)
+    return startup.num_kv_pages(config, PAGE_BYTES, reserved_bytes, model=model)
 
 
 def the_record(tmp_path) -> dict:
@@ -73,7 +73,7 @@ def test_the_first_count_is_kept_while_it_fits(monkeypatch, tmp_path):
 def test_a_count_that_no_longer_fits_is_sized_again_and_replaces_the_record(
         monkeypatch, tmp_path, caplog):
     assert recorded_pages(monkeypatch, tmp_path, affording(2628)) == 2560
-    with caplog.at_level(logging.WARNING, logger=engine.__name__):
+    with caplog.at_level(logging.WARNING, logger=startup.__name__):
         assert recorded_pages(monkeypatch, tmp_path, affording(2559)) == 2304
     (message,) = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]
     assert "2560" in message and "holds 2559 pages" in message
@@ -111,11 +111,11 @@ def test_a_bad_record_is_ignored_with_a_warning_and_replaced(monkeypatch, tmp_pa
                                                              content):
     config = config_with_free(monkeypatch, affording(5000), max_num_seqs=1000,
                               compile_cache_dir=str(tmp_path))
-    key = engine.sizing_key(config, PAGE_BYTES, 0, "tiny")
+    key = startup.sizing_key(config, PAGE_BYTES, 0, "tiny")
     path = sizing_record.record_path(tmp_path, key)
     path.write_text(content.replace("KEY", json.dumps(key)))
     with caplog.at_level(logging.WARNING, logger=sizing_record.__name__):
-        assert engine.num_kv_pages(config, PAGE_BYTES, model="tiny") == 4864
+        assert startup.num_kv_pages(config, PAGE_BYTES, model="tiny") == 4864
     assert any("ignoring the KV sizing record" in r.getMessage() for r in caplog.records)
     assert json.loads(path.read_text()) == {"format": sizing_record.RECORD_FORMAT, "key": key,
                                             "num_pages": 4864}

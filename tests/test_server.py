@@ -21,7 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, running_server
 
 from tokenspeed_jax import SamplingParams
-from tokenspeed_jax.engine.engine import AsyncEngine, Engine, build_engine
+from tokenspeed_jax.engine.async_engine import AsyncEngine
+from tokenspeed_jax.engine.engine import Engine
+from tokenspeed_jax.engine.startup import build_engine
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.tokenizer import Tokenizer
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import CONFIG, MODEL_NAME, serving
 
-from tokenspeed_jax.engine.engine import build_engine
+from tokenspeed_jax.engine.startup import build_engine
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs",

@@ -30,7 +30,7 @@ from serving import (
     serving,
 )
 
-from tokenspeed_jax.engine.engine import build_engine
+from tokenspeed_jax.engine.startup import build_engine
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.server.launch import serve
 

@@ -17,7 +17,7 @@ from openai.types import completion_create_params as completion_types
 from openai.types.chat import completion_create_params as chat_types
 from serving import CONFIG, MODEL_DIR, MODEL_NAME, Reference, greedy, openai_client, serving
 
-from tokenspeed_jax.engine.engine import build_engine
+from tokenspeed_jax.engine.startup import build_engine
 from tokenspeed_jax.server.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPT = [11, 42, 7, 90]

@@ -15,7 +15,7 @@ import openai
 import pytest
 from serving import CONFIG, MODEL_NAME, openai_client, serving
 
-from tokenspeed_jax.engine.engine import build_engine
+from tokenspeed_jax.engine.startup import build_engine
 
 HELLO = [{"role": "user", "content": "Describe a thing."}]
 THING = {

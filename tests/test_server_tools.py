@@ -20,7 +20,8 @@ import openai
 import pytest
 from serving import CONFIG, MODEL_DIR, MODEL_NAME, running_server
 
-from tokenspeed_jax.engine.engine import AsyncEngine, build_engine
+from tokenspeed_jax.engine.async_engine import AsyncEngine
+from tokenspeed_jax.engine.startup import build_engine
 from tokenspeed_jax.models.loader import load_model
 from tokenspeed_jax.server.app import ServerState
 from tokenspeed_jax.tokenizer import Tokenizer

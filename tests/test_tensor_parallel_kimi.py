@@ -69,7 +69,7 @@ def _served_text(llm) -> str:
     import httpx
     from test_server import running_server
 
-    from tokenspeed_jax.engine.engine import AsyncEngine
+    from tokenspeed_jax.engine.async_engine import AsyncEngine
     from tokenspeed_jax.server.app import ServerState
 
     engine = AsyncEngine(llm.engine)

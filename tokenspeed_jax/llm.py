@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import build_engine
+from tokenspeed_jax.engine.startup import build_engine
 from tokenspeed_jax.outputs import Completion
 from tokenspeed_jax.sampling_params import SamplingParams
 

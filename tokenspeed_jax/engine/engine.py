@@ -1,9 +1,10 @@
-"""The serving loop: continuous batching of requests over a model runner, sync and asyncio fronts.
+"""The serving loop: continuous batching of requests over a model runner.
 
 ``Engine`` is synchronous: ``add_request`` / ``abort`` / ``step``, and ``generate`` for offline
 use. One ``step`` schedules a batch, runs it, then turns each sampled token into a
 ``RequestOutput`` (stop tokens, max_tokens, the context length, stop strings across token
-boundaries through the incremental detokenizer).
+boundaries through the incremental detokenizer, a grammar that completed). Start-up (loading,
+KV sizing, compiling) is ``engine/startup.py``; the asyncio front is ``engine/async_engine.py``.
 
 Overlap (``overlap_schedule``): when a step is a decode step the runner left running with its
 tokens on the device (``PendingStep.on_board``) and no waiting request could be admitted now,
@@ -18,50 +19,27 @@ token is dropped, and the step is the next ``step()``'s to finish. "on" always r
 so running ahead can hide the launch. One decode step in ``PROBE_EVERY`` is synchronous, and
 measures again. The choice never changes a token (tested), only when steps are launched.
 
-``AsyncEngine`` runs that loop in one background thread and streams each request's outputs to
-an asyncio consumer; request-side host work (HTTP, tokenisation, JSON) runs on the event loop
-while the engine thread waits on the device. Faults stay with their cause: anything that goes
-wrong while adding one request fails that request alone (a ``ValueError`` is its caller's bad
-input) and the loop goes on; a failure of a step, which belongs to no single request, stops the
-loop: it logs the traceback once, ends every request in flight with ``EngineDeadError``, reports
-itself dead (``alive``) and calls ``on_failure`` so its owner can exit.
-
 Invariants:
 
-* Only the engine thread touches ``Engine``; the asyncio side talks to it through a queue.
+* Only one thread touches an ``Engine`` (``AsyncEngine``'s loop, or the caller's).
 * A request is validated before it is accepted (prompt within the context length and the
   vocabulary, sampling settings within the vocabulary, unique id); once accepted it always ends
   with exactly one output that has ``finished`` set, whether it stopped, ran out of length, was
   aborted or the engine failed.
 * ``max_model_len`` never exceeds what the KV pages can hold, so one request alone always fits
   and preemption can always make progress.
-* The KV page count is a shape of every executable, so it does not follow free memory from one
-  start to the next: sized from free memory when ``num_pages`` is not set, it is recorded beside
-  the executable cache and later starts of the same setup keep it while it fits in the memory
-  free then (``num_kv_pages``, ``sizing_record``); with the cache off each start sizes anew.
-* A model runs on the runner its family names (``models/registry.py``). A family with recurrent
-  state (Kimi-Linear: KDA state beside a paged latent cache) gets a state pool of
-  ``max_num_seqs`` live rows plus, with prefix caching, as many checkpoint rows
-  (``state_slots.StateSlots``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import math
-import os
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenspeed_jax import parallel
-from tokenspeed_jax.config import OVERLAP_SCHEDULES, EngineConfig
+from tokenspeed_jax.config import OVERLAP_SCHEDULES
 from tokenspeed_jax.detokenizer import IncrementalDetokenizer
-from tokenspeed_jax.engine import sizing_record
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput
 from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request, RequestOutput
@@ -432,324 +410,3 @@ def _join(prompt_ids: list[int], outputs: list[RequestOutput]) -> Completion:
         finish_reason=last.finish_reason or "abort",
         logprobs=logprobs,
     )
-
-
-# The CPU backend's "device memory" is host RAM shared with everything else on the machine, so
-# the KV cache there takes only this share of what is free (times mem_fraction).
-CPU_MEMORY_SHARE = 0.1
-# Free memory moves a little between starts; the page count is a compiled shape, so it is rounded
-# down to this many pages to keep it (and the executable cache's keys) the same across restarts.
-KV_PAGE_ROUNDING = 256
-
-
-def hybrid_state_slots(config: EngineConfig) -> StateSlots:
-    """The state rows of a hybrid model: ``max_num_seqs`` live rows, plus as many checkpoint rows
-    when prefix caching is on (the caller turns it off when checkpoints cannot line up with
-    pages)."""
-    from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
-
-    checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
-    return StateSlots(config.max_num_seqs, checkpoints, granularity=config.prefix_granularity,
-                      chunk=CHUNK_SIZE, page_size=config.page_size)
-
-
-def free_device_bytes() -> tuple[int, str]:
-    """Free memory of the first device, and where the figure came from."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), "device"
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(available * CPU_MEMORY_SHARE), "host"
-
-
-def total_device_bytes() -> int:
-    """Memory of the first device: what its allocator may use, or on the CPU the host's RAM."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def sizing_key(config: EngineConfig, page_bytes: int, reserved_bytes: int, model: str
-               ) -> dict[str, Any]:
-    """What decides the page count besides free memory: the key of its sizing record."""
-    import jax
-
-    return {"model": model, "page_bytes": page_bytes, "reserved_bytes": reserved_bytes,
-            "page_size": config.page_size, "max_model_len": config.max_model_len,
-            "max_num_seqs": config.max_num_seqs, "mem_fraction": config.mem_fraction,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "device_kind": jax.devices()[0].device_kind,
-            "device_total_bytes": total_device_bytes()}
-
-
-def num_kv_pages(config: EngineConfig, page_bytes: int, reserved_bytes: int = 0, *,
-                 model: str = "") -> int:
-    """KV pages to allocate: the explicit ``num_pages``, else what the free memory allows (less
-    ``reserved_bytes`` taken by other per-engine buffers).
-
-    Never more than ``max_num_seqs`` full-length sequences need, never fewer than one sequence of
-    ``max_model_len`` needs.
-
-    With the executable cache on, a count sized from free memory is recorded in the cache
-    directory (``sizing_record``), keyed by ``sizing_key``: ``model`` (its path), the page and
-    reserved bytes, ``page_size``, ``max_model_len``, ``max_num_seqs``, ``mem_fraction``,
-    ``tensor_parallel_size`` and the device's kind and total memory. A later call with the same
-    key returns the recorded count while it is within the bounds above and fits in the memory
-    free now (``mem_fraction`` of it, less ``reserved_bytes``), however much more is free, so
-    the executables' shapes stay those of the first start; a count that no longer fits is sized
-    again (logged with the numbers) and replaces the record. Delete the record, or set
-    ``num_pages``, to choose anew. With the cache off every call sizes from free memory.
-    """
-    if config.num_pages is not None:
-        if config.num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {config.num_pages}")
-        return config.num_pages
-    if not 0.0 < config.mem_fraction <= 1.0:
-        raise ValueError(f"mem_fraction must be in (0, 1], got {config.mem_fraction}")
-    per_sequence = math.ceil(config.max_model_len / config.page_size)
-    most = config.max_num_seqs * per_sequence
-    free, _ = free_device_bytes()
-    affordable = (int(free * config.mem_fraction) - reserved_bytes) // page_bytes
-    directory = config.compile_cache_path
-    key = sizing_key(config, page_bytes, reserved_bytes, model) if directory else None
-    recorded = None if key is None else sizing_record.read_pages(directory, key)
-    if recorded is not None:
-        if per_sequence <= recorded <= min(affordable, most):
-            logger.info("KV cache: %d pages, as recorded at an earlier start in %s", recorded,
-                        sizing_record.record_path(directory, key))
-            return recorded
-        logger.warning(
-            "the KV page count recorded at an earlier start, %d, does not fit now: %.2f GiB "
-            "free x mem_fraction=%s holds %d pages of %d bytes (bounds %d..%d); sizing again, "
-            "so executables of the new count are compiled", recorded, free / 2**30,
-            config.mem_fraction, affordable, page_bytes, per_sequence, most)
-    if affordable >= KV_PAGE_ROUNDING:
-        affordable = max(affordable // KV_PAGE_ROUNDING * KV_PAGE_ROUNDING, per_sequence)
-    if affordable < per_sequence:
-        raise ValueError(
-            f"{free / 2**30:.2f} GiB free x mem_fraction={config.mem_fraction} holds "
-            f"{affordable} KV pages of {page_bytes} bytes, fewer than one sequence of "
-            f"max_model_len={config.max_model_len} needs ({per_sequence}); lower max_model_len "
-            f"or set num_pages"
-        )
-    pages = min(affordable, most)
-    if key is not None:
-        path = sizing_record.write_pages(directory, key, pages)
-        if path is not None:
-            logger.info("KV cache: %d pages sized from %.2f GiB free; recorded in %s for later "
-                        "starts", pages, free / 2**30, path)
-    return pages
-
-
-@dataclasses.dataclass
-class EngineBundle:
-    """A ready engine and what start-up produced on the way."""
-
-    engine: Engine
-    runner: Any  # of the runner class the model's family names
-    compile_summary: Any  # graph.CompileSummary
-    model_path: str
-    seconds: float
-    loaded: Any  # models.loader.LoadedModel (with its family)
-    config: EngineConfig  # as run: buckets clamped, prefix caching off where it cannot work
-
-
-def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
-    """Load the model (unless ``loaded`` is given), size the KV cache, compile every executable,
-    return a ready engine."""
-    from tokenspeed_jax.engine.model_runner import stacked_copy_bytes
-    from tokenspeed_jax.models.loader import load_model
-
-    start = time.perf_counter()
-    # No step ever holds more than max_num_seqs requests: larger batch buckets would be dead code.
-    config = dataclasses.replace(
-        config,
-        decode_graph_max_bs=min(config.decode_graph_max_bs, config.max_num_seqs),
-        prefill_graph_max_bs=min(config.prefill_graph_max_bs, config.max_num_seqs),
-    )
-    mesh = parallel.make_mesh(config.tensor_parallel_size)
-    if loaded is None:
-        loaded = load_model(config.model, dtype=config.dtype, mesh=mesh)
-    family = loaded.family
-    dtype = getattr(loaded.model, "dtype", "float32")
-    page_bytes = family.kv_page_bytes(loaded.config, config.page_size, dtype)
-    if mesh is not None:  # each device holds its share of every page; free memory is per device
-        family.check_split(loaded.config, mesh.size)
-        page_bytes = -(-page_bytes // family.kv_cache_shards(loaded.config, mesh.size))
-    state_slots = None
-    reserved = 0
-    if family.has_recurrent_state:
-        if config.enable_prefix_caching and config.prefix_granularity % config.page_size:
-            logger.warning(
-                "prefix caching is off for this hybrid model: prefix_granularity=%d is not a "
-                "multiple of page_size=%d, so KDA checkpoints cannot end on a page",
-                config.prefix_granularity, config.page_size)
-            config = dataclasses.replace(config, enable_prefix_caching=False)
-        state_slots = hybrid_state_slots(config)
-        # KDA state rows are split by head: each device holds 1/N of every row
-        reserved = -(-state_slots.num_slots
-                     * family.state_slot_bytes(loaded.config, dtype, config.kda_state_dtype)
-                     // parallel.mesh_size(mesh))
-    if state_slots is None:
-        reserved += stacked_copy_bytes(config, loaded.model)
-    num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))
-    runner_class = family.runner_class()
-    if state_slots is None:
-        runner = runner_class(loaded.model, config, num_pages, config.page_size)
-    else:
-        runner = runner_class(loaded.model, config, num_pages=num_pages,
-                              num_state_slots=state_slots.num_slots, page_size=config.page_size)
-    summary = runner.compile_all()
-    budget = config.prefill_token_limit if config.chunked_prefill_size else config.max_model_len
-    engine = Engine(
-        runner,
-        loaded.tokenizer,
-        num_pages=num_pages,
-        page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_model_len=min(config.max_model_len, loaded.config.max_position_embeddings),
-        enable_prefix_caching=config.enable_prefix_caching,
-        state_slots=state_slots,
-        overlap_schedule=config.overlap_schedule,
-    )
-    return EngineBundle(engine, runner, summary, str(loaded.path), time.perf_counter() - start,
-                        loaded, config)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; every request in flight ends with this error."""
-
-
-class RequestCancelledError(RuntimeError):
-    """The engine's owner ended a request before it finished (``AsyncEngine.cancel_all``)."""
-
-
-class AsyncEngine:
-    """Runs ``Engine.step`` in a background thread; ``generate`` streams one request's outputs.
-
-    ``on_failure`` is called once, on the engine thread, with the error that stopped the loop.
-    """
-
-    def __init__(self, engine: Engine,
-                 on_failure: Callable[[BaseException], None] | None = None):
-        self.engine = engine
-        self.on_failure = on_failure
-        self._inbox: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests being streamed to a consumer."""
-        return len(self._streams)
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; leaving early (or cancellation) aborts the request.
-
-        Raises ValueError when the engine refuses the request, ``EngineDeadError`` when the loop
-        failed, ``RequestCancelledError`` when ``cancel_all`` ended it."""
-        self.engine.check_prompt(prompt_token_ids)
-        self.engine.check_params(params)
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        finished = False
-        try:
-            # Checked once the stream is registered: a loop that fails from here on delivers
-            # its error to this stream, one that failed before is seen here.
-            if self.error is not None:
-                raise EngineDeadError(f"the engine loop failed: {self.error!r}")
-            self._send("add", request_id, list(prompt_token_ids), params)
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._send("abort", request_id)
-            self._streams.pop(request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
-
-    def cancel_all(self, reason: str) -> None:
-        """End every request in flight now with ``RequestCancelledError(reason)``."""
-        for request_id in list(self._streams):
-            self._deliver(request_id, RequestCancelledError(reason))
-
-    def _send(self, kind: str, *args) -> None:
-        self._inbox.put((kind, args))
-        self._wake.set()
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, args = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                request_id = args[0]
-                try:
-                    self.engine.add_request(*args)
-                except ValueError as error:
-                    self._deliver(request_id, error)
-                except Exception as error:
-                    logger.exception("could not add request %s", request_id)
-                    self._deliver(request_id, RuntimeError(f"the request failed: {error!r}"))
-            else:
-                output = self.engine.abort(args[0])
-                if output is not None:
-                    self._deliver(output.request_id, output)
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                self._drain_inbox()
-                if not engine.has_unfinished:
-                    if self._stopping:
-                        return
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                for output in engine.step():
-                    self._deliver(output.request_id, output)
-        except BaseException as error:
-            logger.critical("the engine loop failed; ending every request in flight",
-                            exc_info=error)
-            self.error = error
-            dead = EngineDeadError(f"the engine loop failed: {error!r}")
-            for request_id in list(self._streams):
-                self._deliver(request_id, dead)
-            if self.on_failure is not None:
-                self.on_failure(error)

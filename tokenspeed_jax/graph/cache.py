@@ -131,8 +131,9 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 EXECUTABLE_FOLDERS = ("engine", "graph", "kernels", "models")
 EXECUTABLE_MODULES = ("config.py", "parallel.py", "sampling_params.py",
                       "structured/bitmask.py", "structured/specs.py")
-HOST_MODULES = ("engine/block_manager.py", "engine/engine.py", "engine/request.py",
-                "engine/scheduler.py", "engine/sizing_record.py", "engine/state_slots.py")
+HOST_MODULES = ("engine/async_engine.py", "engine/block_manager.py", "engine/engine.py",
+                "engine/request.py", "engine/scheduler.py", "engine/sizing_record.py",
+                "engine/startup.py", "engine/state_slots.py")
 _SIMPLE = (str, int, float, bool, type(None))
 _DIGEST_ABOVE = 96  # a description part longer than this is kept in headers as a digest
 # Readable names of the description's parts, for the message of a cache miss.

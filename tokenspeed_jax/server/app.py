@@ -41,12 +41,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import (
-    AsyncEngine,
-    EngineDeadError,
-    RequestCancelledError,
-    child_params,
-)
+from tokenspeed_jax.engine.async_engine import AsyncEngine, EngineDeadError, RequestCancelledError
+from tokenspeed_jax.engine.engine import child_params
 from tokenspeed_jax.engine.request import RequestOutput
 from tokenspeed_jax.sampling_params import SamplingParams, SamplingParamsError
 from tokenspeed_jax.server import translate

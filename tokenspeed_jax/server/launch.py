@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.engine import AsyncEngine, EngineBundle, build_engine
+from tokenspeed_jax.engine.async_engine import AsyncEngine
+from tokenspeed_jax.engine.startup import EngineBundle, build_engine
 from tokenspeed_jax.server.app import ServerState, create_app
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
