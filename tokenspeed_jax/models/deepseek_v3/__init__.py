@@ -7,7 +7,7 @@ forwards over dense or paged latent caches), ``weights`` (checkpoint names and l
 What a runner needs from the family: the cache is one latent page pool per layer,
 ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` in the cache dtype (``latent_pages``),
 slots addressed like the paged KV cache; every layer has the same break, the latent attention
-between ``attention_inputs`` and ``attention_outputs``, and the rotary tables of a step are
+between ``attention_inputs`` and ``mla_outputs``, and the rotary tables of a step are
 computed once (``rope``) and passed to every layer.
 """
 
