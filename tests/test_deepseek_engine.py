@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from golden_checks import assert_steps_match_golden, step_logprobs
+from test_kimi_engine import OPTIONS as KIMI_OPTIONS
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.engine.kimi_runner import KimiRunner
@@ -20,19 +21,8 @@ from tokenspeed_jax.engine.kimi_runner import KimiRunner
 GOLDEN = Path(__file__).parent / "golden"
 NAMES = ("tiny_deepseek_v3", "tiny_deepseek_v3_plain")
 NUM_PROMPTS = 3
-OPTIONS = {
-    "dtype": "float32",
-    "prefill_graph_max_tokens": 128,
-    "prefill_graph_capture_token_sizes": (128,),
-    "prefill_graph_capture_batch_sizes": (4,),
-    "decode_graph_capture_batch_sizes": (4,),
-    "max_num_seqs": 4,
-    "max_model_len": 128,
-    "num_pages": 32,
-    "page_size": 16,
-    "strict_no_compile": True,
-    "compile_progress": False,
-}
+# Kimi's small buckets; more pages: no preemption here, only the goldens
+OPTIONS = {**KIMI_OPTIONS, "num_pages": 32, "max_model_len": 128}
 MAX_REL_ERR = 1e-4  # fp32 end to end; paged absorbed MLA and grouped experts only reorder sums
 
 

@@ -22,6 +22,7 @@ from tokenspeed_jax.models.deepseek_v3.config import MODEL_TYPES, DeepseekV3Conf
 from tokenspeed_jax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tokenspeed_jax.models.deepseek_v3.weights import hf_weight_map, is_mtp_tensor
 from tokenspeed_jax.models.family import Family
+from tokenspeed_jax.models.kimi_linear import sharding as latent_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,10 @@ FAMILY = Family(
     weight_map=hf_weight_map,
     ignored_tensor=ignored_tensor,
     check_split=sharding.check_split,
-    param_spec=sharding.param_spec,
+    # the same latent attention and MoE modules as Kimi Linear's MLA layers (``sharding``)
+    param_spec=latent_sharding.param_spec,
     kv_page_bytes=kv_page_bytes,
-    kv_cache_shards=sharding.kv_cache_shards,
+    kv_cache_shards=latent_sharding.kv_cache_shards,
     runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
 )
