@@ -232,7 +232,8 @@ class PlanBuilder:
 
 
 class KimiRunner:
-    """Runs engine steps of a Kimi-Linear model over its state pools and latent pages."""
+    """Runs engine steps of a Kimi-Linear model (or of any model of MLA layers, as DeepSeek-V3)
+    over its state pools and latent pages."""
 
 
     def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, num_pages: int,
@@ -247,7 +248,7 @@ class KimiRunner:
         self.num_state_slots = num_state_slots
         warn_inapplicable(config, ("inline_prefill_attention", "fused_decode_attention",
                                    "stack_decode_weights", "alternate_decode_executables"),
-                          "latent-attention models (their own routes)", logger)
+                          "Kimi Linear (MLA attention, its own routes)", logger)
         self.pages_per_request = math.ceil(config.max_model_len / page_size)
         self.scale = float(model.attention_scale)
         self.buckets = Buckets.from_config(config, prefill=True, decode=True)
