@@ -82,7 +82,7 @@ def test_prefix_cache_hit_gives_the_same_tokens(served):
     """The 65-token prompt again: its first four pages come from the prefix cache, and the
     tokens and log-probabilities are still transformers'."""
     llm, golden = served
-    (llm.generate([prompt(golden, 1)], greedy(golden)))
+    llm.generate([prompt(golden, 1)], greedy(golden))
     before = llm.stats()["prefix_hit_tokens"]
     (hit,) = llm.generate([prompt(golden, 1)], greedy(golden, logprobs=0))
     assert llm.stats()["prefix_hit_tokens"] - before == 64
