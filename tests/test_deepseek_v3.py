@@ -278,6 +278,12 @@ def with_mtp_layer(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {**tensors, **mtp}
 
 
+def assert_same_weights(loaded, model) -> None:
+    for mine, plain in zip(jax.tree_util.tree_leaves(nnx.state(loaded)),
+                           jax.tree_util.tree_leaves(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(plain))
+
+
 def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, caplog):
     _, model = load_hf(CHECKPOINT)
     tensors = with_mtp_layer(load_file(CHECKPOINT / "model.safetensors"))
@@ -286,9 +292,20 @@ def test_multi_token_prediction_layers_are_skipped_with_a_log_line(tmp_path, cap
         _, loaded = load_hf(tmp_path)
     skipped = sum(name.startswith("model.layers.3.") for name in tensors)
     assert f"skipped {skipped} tensors of 1 multi-token prediction layer" in caplog.text
-    for mine, plain in zip(jax.tree_util.tree_leaves(nnx.state(loaded)),
-                           jax.tree_util.tree_leaves(nnx.state(model)), strict=True):
-        np.testing.assert_array_equal(np.asarray(mine), np.asarray(plain))
+    assert_same_weights(loaded, model)
+
+
+def test_the_family_loader_skips_multi_token_prediction_layers_with_a_log_line(tmp_path, caplog):
+    """The engine's loader (``models.loader``, through the registry's family) as ``load_hf``."""
+    from tokenspeed_jax.models.loader import load_checkpoint
+
+    _, model = load_hf(CHECKPOINT)
+    copy_checkpoint(tmp_path, {"num_nextn_predict_layers": 1},
+                    with_mtp_layer(load_file(CHECKPOINT / "model.safetensors")))
+    with caplog.at_level(logging.INFO, logger="tokenspeed_jax.models.deepseek_v3.family"):
+        loaded = load_checkpoint(tmp_path, dtype="float32").model
+    assert "skipping the 1 multi-token prediction layer(s)" in caplog.text
+    assert_same_weights(loaded, model)
 
 
 def test_layers_past_the_model_are_refused_without_num_nextn_predict_layers(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenspeed_jax.models import registry
+from tokenspeed_jax.models.deepseek_v3 import DeepseekV3Config
 from tokenspeed_jax.models.kimi_linear import KimiLinearConfig
 from tokenspeed_jax.models.llama import LlamaConfig
 from tokenspeed_jax.models.loader import load_checkpoint
@@ -19,7 +20,8 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 @pytest.mark.parametrize(("model_type", "family"), [
-    ("llama", "llama"), ("qwen2", "llama"), ("qwen3", "llama"), ("kimi_linear", "kimi_linear")])
+    ("llama", "llama"), ("qwen2", "llama"), ("qwen3", "llama"), ("kimi_linear", "kimi_linear"),
+    ("deepseek_v3", "deepseek_v3"), ("kimi_k2", "deepseek_v3")])
 def test_each_model_type_maps_to_its_family(model_type, family):
     assert registry.family_for(model_type).name == family
 
@@ -48,7 +50,8 @@ def test_only_families_with_a_gguf_reader_take_gguf_files():
 
 @pytest.mark.parametrize(("name", "config_type"), [
     ("tiny_llama", LlamaConfig), ("tiny_qwen3", LlamaConfig), ("tiny_kimi", KimiLinearConfig),
-    ("tiny_kimi_qlora", KimiLinearConfig)])
+    ("tiny_kimi_qlora", KimiLinearConfig), ("tiny_deepseek_v3", DeepseekV3Config),
+    ("tiny_deepseek_v3_plain", DeepseekV3Config)])
 def test_a_checkpoint_loads_through_the_family_its_config_names(name, config_type):
     raw = json.loads((GOLDEN / name / "config.json").read_text())
     family = registry.family_of_hf_config(raw)
@@ -70,3 +73,7 @@ def test_families_name_the_runner_and_reference_that_serve_them():
     assert (kimi.runner_class(), kimi.reference_generator()) == (KimiRunner,
                                                                  HybridReferenceGenerator)
     assert kimi.has_recurrent_state and not llama.has_recurrent_state
+    deepseek = registry.family_for("deepseek_v3")
+    assert (deepseek.runner_class(), deepseek.reference_generator()) == (KimiRunner,
+                                                                         ReferenceGenerator)
+    assert not deepseek.has_recurrent_state

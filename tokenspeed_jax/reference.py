@@ -76,12 +76,15 @@ def _declared(method: Callable[..., Any]) -> Callable[..., Any]:
 class ReferenceGenerator:
     """Greedy or sampled generation over ``model`` with a dense KV cache."""
 
-    cache_type: Any = DenseKVCache  # the model's dense cache: ``create(config, batch, len, dtype)``
+    # the model's dense cache: ``create(config, batch, len, dtype)``; a model that declares its
+    # own (``dense_cache_type``) gets that one
+    cache_type: Any = DenseKVCache
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
         self.config = model.config
         self.tokenizer = tokenizer
         self._dtype = model.dtype
+        self.cache_type = getattr(model, "dense_cache_type", self.cache_type)
         graphdef, state = nnx.split(model)
         self._state = state
 

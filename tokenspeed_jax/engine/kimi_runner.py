@@ -30,6 +30,11 @@ their rows (``StepRequest.state_slot``); every pool is donated and updated in pl
 request at position 0 starts from zero states (its rows are reset inside the plan); a later chunk
 or decode step continues from what its rows hold (its previous chunk, or a restored checkpoint).
 
+MLA layers take the token positions (``layer.mla_inputs(hidden, positions)``), so a family
+whose latent attention rotates its rope part (DeepSeek-V3) runs here too; a model without KDA
+layers has no state pools or restore executable, and its requests need no state rows (the runner
+is then built like ``ModelRunner``: ``(model, config, num_pages, page_size)``).
+
 Tensor parallelism (``tensor_parallel_size`` > 1): the weights are placed with the family's
 ``place_model``, the state and conv pools split by head and the latent pages replicated
 (``kimi_linear.sharding.pool_sharding``); every executable is compiled over the mesh with the
@@ -227,14 +232,16 @@ class PlanBuilder:
 
 
 class KimiRunner:
-    """Runs engine steps of a Kimi-Linear model over its state pools and latent pages."""
+    """Runs engine steps of a Kimi-Linear model (or of any model of MLA layers, as DeepSeek-V3)
+    over its state pools and latent pages."""
 
 
-    def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, *, num_pages: int,
-                 num_state_slots: int, page_size: int = 16) -> None:
-        if num_pages < 1 or page_size < 1 or num_state_slots < 1:
-            raise ValueError(f"num_pages={num_pages}, page_size={page_size} and "
-                             f"num_state_slots={num_state_slots} must be >= 1")
+    def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, num_pages: int,
+                 page_size: int = 16, *, num_state_slots: int = 0) -> None:
+        has_kda = any(layer.kind == KDA for layer in model.layers)
+        if num_pages < 1 or page_size < 1 or (has_kda and num_state_slots < 1):
+            raise ValueError(f"num_pages={num_pages}, page_size={page_size} and (with KDA "
+                             f"layers) num_state_slots={num_state_slots} must be >= 1")
         self.config = config
         self.model_config = cfg = model.config
         self.page_size = page_size
@@ -264,10 +271,10 @@ class KimiRunner:
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
-        k, h, width = cfg.linear_head_dim, cfg.linear_num_heads, cfg.conv_kernel_size
         shapes: dict[str, tuple[tuple[int, ...], Any]] = {}
         for i, kind in enumerate(self.kinds):
             if kind == KDA:
+                k, h, width = cfg.linear_head_dim, cfg.linear_num_heads, cfg.conv_kernel_size
                 shapes[f"state.{i}"] = (num_state_slots, h, k, k), config.kda_state_dtype
                 shapes[f"conv.{i}"] = (num_state_slots, width - 1, 3 * h * k), self.dtype
             else:
@@ -367,8 +374,8 @@ class KimiRunner:
             else:
                 latent = f"latent.{i}"
 
-                def mla_in(params, hidden, _g=graph):
-                    return self._layer(_g, params).mla_inputs(hidden)
+                def mla_in(params, hidden, positions, _g=graph):
+                    return self._layer(_g, params).mla_inputs(hidden, positions)
 
                 def mla_out(params, hidden, attn, _g=graph):
                     return (self._layer(_g, params).mla_outputs(hidden, attn, mesh=self.mesh),)
@@ -376,7 +383,7 @@ class KimiRunner:
                 attend = self._mla_decode if decode else self._mla_prefill
                 pieces += [
                     Piece(("mla_in", graph), self._fn(("mla_in", graph), lambda f=mla_in: f),
-                          ("hidden",), ("q_lat", "kv"), state),
+                          ("hidden", "positions"), ("q_lat", "kv"), state),
                     Piece(("mla", decode), attend, ("q_lat", "kv", "positions", latent),
                           ("attn", latent), meta="attention", donate=(latent,)),
                     Piece(("mla_out", graph), self._fn(("mla_out", graph), lambda f=mla_out: f),
@@ -477,6 +484,8 @@ class KimiRunner:
         return {**inputs, "token_rows": token_rows(requests, rows)}, attention, head
 
     def _check_slots(self, request: StepRequest) -> None:
+        if not self.state_pools:  # no KDA layers: a request's state rows are never read
+            return
         slot, checkpoint = request.state_slot, request.checkpoint_slot
         if not 0 <= slot < self.num_state_slots:
             raise ValueError(f"request {request.request_id}: state_slot={slot} must be in "

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tokenspeed_jax.models.deepseek_v3.family import FAMILY as DEEPSEEK_V3
 from tokenspeed_jax.models.family import Family
 from tokenspeed_jax.models.kimi_linear.family import FAMILY as KIMI_LINEAR
 from tokenspeed_jax.models.llama.family import FAMILY as LLAMA
 
-FAMILIES: tuple[Family, ...] = (LLAMA, KIMI_LINEAR)
+FAMILIES: tuple[Family, ...] = (LLAMA, KIMI_LINEAR, DEEPSEEK_V3)
 
 
 def by_model_type(families: tuple[Family, ...]) -> dict[str, Family]:

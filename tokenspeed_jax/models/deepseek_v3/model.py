@@ -11,8 +11,13 @@ Stage interface (what a segmented runner calls, per layer, tokens packed ``[T, .
   ``[num_pages, page_size, R + r]``) and attends (``mla.paged_latent_prefill`` /
   ``paged_latent_decode`` with ``model.scale``): one multi-query latent head, values = the first R
   features;
-* ``layer.attention_outputs(hidden, attn [T, H, R]) -> hidden``: the segment after it (output
+* ``layer.mla_outputs(hidden, attn [T, H, R]) -> hidden``: the segment after it (output
   projection, residual, feed-forward).
+
+The same layer also speaks the latent-attention runner's protocol (``engine/kimi_runner.py``):
+``layer.kind == "mla"``, ``layer.mla_inputs(hidden, positions)`` (the tables computed from the
+positions inside the segment), ``layer.mla_outputs(hidden, attn, mesh=...)``, and
+``model.attention_scale``.
 
 Three plain forwards are built from those stages and differ only in the cache they store into and
 attend over: ``__call__`` (the reference: dense per-request caches ``[B, S, R + r]``, rows of a
@@ -47,12 +52,15 @@ from tokenspeed_jax.models.mla import (
 )
 from tokenspeed_jax.models.moe import KimiMoE, SwiGLU
 
+MLA_KIND = "mla"  # a segmented runner's name for a layer with latent attention at its break
 Caches = tuple[jax.Array, ...]
 Tables = tuple[jax.Array, jax.Array]
 
 
 class DeepseekV3DecoderLayer(nnx.Module):
     """One pre-norm layer: latent attention, then a dense or MoE feed-forward."""
+
+    kind = MLA_KIND
 
     def __init__(self, config: DeepseekV3Config, index: int, *, dtype: Any, param_dtype: Any,
                  rngs: nnx.Rngs) -> None:
@@ -67,15 +75,23 @@ class DeepseekV3DecoderLayer(nnx.Module):
             self.mlp = KimiMoE(d, config.moe_intermediate_size, **config.router_settings,
                                rngs=rngs, **kw)
         self.dtype = dtype
+        self.config = config
 
     def attention_inputs(self, hidden: jax.Array, rope: Tables) -> tuple[jax.Array, jax.Array]:
         """hidden [..., T, D] -> (absorbed query [..., T, H, R + r], latent row [..., T, R + r]),
         the rope parts rotated at the tokens' positions (``rope``)."""
         return self.self_attn.inputs(self.input_layernorm(hidden), rope)
 
-    def attention_outputs(self, hidden: jax.Array, attn: jax.Array, *,
-                          mesh: Mesh | None = None) -> jax.Array:
-        """The layer's input residual and latent attention [..., H, R] -> output [..., D]."""
+    def mla_inputs(self, hidden: jax.Array, positions: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+        """``attention_inputs`` with the rotary tables of ``positions [..., T]`` computed here
+        (the segmented runner's form: it hands a layer the positions, not the tables)."""
+        return self.attention_inputs(hidden, rope_tables(self.config, positions))
+
+    def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *,
+                    mesh: Mesh | None = None) -> jax.Array:
+        """The layer's input residual and latent attention [..., H, R] -> output [..., D].
+        ``mesh``: the weights are split over it; the routed experts run per shard."""
         hidden = hidden.astype(self.dtype) + self.self_attn.outputs(attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh)
 
@@ -86,6 +102,13 @@ def dense_caches(config: DeepseekV3Config, batch: int, max_len: int, dtype: Any)
                  for _ in range(config.num_hidden_layers))
 
 
+class DenseLatentCache:
+    """The reference forward's caches as a reference generator builds a model's dense cache:
+    ``create(config, batch, max_len, dtype)`` (``dense_caches``)."""
+
+    create = staticmethod(dense_caches)
+
+
 def latent_pages(config: DeepseekV3Config, num_pages: int, page_size: int, dtype: Any) -> Caches:
     """The paged caches: one zeroed [num_pages, page_size, R + r] per layer."""
     return tuple(jnp.zeros((num_pages, page_size, config.latent_dim), dtype)
@@ -94,6 +117,8 @@ def latent_pages(config: DeepseekV3Config, num_pages: int, page_size: int, dtype
 
 class DeepseekV3ForCausalLM(CausalLMBase):
     """DeepSeek-V3 causal LM; see the module docstring for the stage interface."""
+
+    dense_cache_type = DenseLatentCache
 
     def __init__(self, config: DeepseekV3Config, *, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
@@ -106,6 +131,11 @@ class DeepseekV3ForCausalLM(CausalLMBase):
             for i in range(config.num_hidden_layers)
         ])
         self.init_head(param_dtype, rngs)
+
+    @property
+    def attention_scale(self) -> float:
+        """The score scale of every layer's latent attention (``rope.softmax_scale``)."""
+        return self.scale
 
     def rope(self, positions: jax.Array) -> Tables:
         """The rotary tables of ``positions [..., T]`` every layer uses (``rope.rope_tables``)."""
@@ -121,7 +151,7 @@ class DeepseekV3ForCausalLM(CausalLMBase):
         for i, layer in enumerate(self.layers):
             q, rows = layer.attention_inputs(hidden, rope)
             caches[i] = store(caches[i], rows)
-            hidden = layer.attention_outputs(hidden, attend(q, caches[i]))
+            hidden = layer.mla_outputs(hidden, attend(q, caches[i]))
         return self.head(hidden), tuple(caches)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array,

@@ -9,8 +9,9 @@ Stage interface (packed tokens ``[T, ...]``, what the runner's plans call):
 * ``embed(token_ids)`` / ``head(hidden)``;
 * KDA layer: ``layer.kda_inputs`` -> ``kda_core`` -> ``layer.kda_outputs``, or ``layer.kda_block``
   for all three (``hidden, conv pool, state pool`` in and out, metadata ``KdaMeta``);
-* MLA layer: ``layer.mla_inputs(hidden) -> (q, latent)``, attention over the latent cache by the
-  caller, ``layer.mla_outputs(hidden, attn) -> hidden``.
+* MLA layer: ``layer.mla_inputs(hidden, positions) -> (q, latent)`` (NoPE: the positions are
+  unused), attention over the latent cache by the caller, ``layer.mla_outputs(hidden, attn) ->
+  hidden``.
 
 ``KimiLinearForCausalLM.__call__`` is the plain reference forward over a dense cache
 (``KimiCache``), built from the same stage methods, with the pure-JAX KDA reference by default.
@@ -285,8 +286,11 @@ class KimiDecoderLayer(nnx.Module):
                                  mesh=mesh)
         return self.kda_outputs(hidden, o, gate, mesh=mesh), conv_pool, state_pool
 
-    def mla_inputs(self, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """hidden [..., D] -> (absorbed query [..., H, R + r], latent row [..., R + r])."""
+    def mla_inputs(self, hidden: jax.Array, positions: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+        """hidden [..., D] -> (absorbed query [..., H, R + r], latent row [..., R + r]).
+        ``positions`` is ignored: the attention is NoPE."""
+        del positions
         return self.self_attn.inputs(self.input_layernorm(hidden))
 
     def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *,
