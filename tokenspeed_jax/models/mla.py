@@ -36,6 +36,7 @@ The paged latent cache of one layer is ``[num_pages, page_size, R + r]``; slot `
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -49,6 +50,32 @@ from tokenspeed_jax.kernels.rotary import rotate
 from tokenspeed_jax.models.layers import RMSNorm, linear, normal_param
 
 LORA_NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAModelShape:
+    """The hyper-parameters every MLA + MoE family's config.json shares (named as there): the
+    family configs extend it with their own."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @staticmethod
+    def fields_from_hf(config: Any) -> dict[str, Any]:
+        """These fields read from a config.json dict (``q_lora_rank`` absent or null: None)."""
+        q_lora = config.get("q_lora_rank")
+        names = [f.name for f in dataclasses.fields(MLAModelShape) if f.name != "q_lora_rank"]
+        return {**{name: int(config[name]) for name in names},
+                "q_lora_rank": None if q_lora is None else int(q_lora)}
 
 
 class MultiLatentAttention(nnx.Module):

@@ -23,6 +23,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from tokenspeed_jax.models.mla import MLAModelShape
+
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -42,20 +44,9 @@ class YarnScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(MLAModelShape):
     """Architecture hyper-parameters, named as in a DeepSeek-V3 config.json."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
     n_routed_experts: int
     num_experts_per_tok: int
     n_shared_experts: int = 1
@@ -117,20 +108,8 @@ class DeepseekV3Config:
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={model_type!r} is not one of {MODEL_TYPES}")
         _check_supported(config)
-        heads = int(config["num_attention_heads"])
-        q_lora = config.get("q_lora_rank")
         return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            moe_intermediate_size=int(config["moe_intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            kv_lora_rank=int(config["kv_lora_rank"]),
-            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-            v_head_dim=int(config["v_head_dim"]),
+            **MLAModelShape.fields_from_hf(config),
             n_routed_experts=int(config["n_routed_experts"]),
             num_experts_per_tok=int(config["num_experts_per_tok"]),
             n_shared_experts=int(config.get("n_shared_experts", 1) or 0),

@@ -56,6 +56,7 @@ from tokenspeed_jax.models.kimi_linear.layers import (
 )
 from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm
 from tokenspeed_jax.models.mla import (
+    MLAModelShape,
     MultiLatentAttention,
     latent_attention,
     mla_weight_entries,
@@ -68,20 +69,9 @@ NO_POSITION_LIMIT = 2**31 - 1  # positions are int32
 
 
 @dataclasses.dataclass(frozen=True)
-class KimiLinearConfig:
+class KimiLinearConfig(MLAModelShape):
     """Architecture hyper-parameters, as read from a Kimi-Linear config.json."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    kv_lora_rank: int
-    q_lora_rank: int | None
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
     layer_types: tuple[str, ...]
     linear_num_heads: int
     linear_head_dim: int
@@ -149,19 +139,8 @@ class KimiLinearConfig:
             raise ValueError(f"moe_layer_freq={config['moe_layer_freq']} is not supported")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported")
-        q_lora = config.get("q_lora_rank")
         return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            moe_intermediate_size=int(config["moe_intermediate_size"]),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            kv_lora_rank=int(config["kv_lora_rank"]),
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-            v_head_dim=int(config["v_head_dim"]),
+            **MLAModelShape.fields_from_hf(config),
             layer_types=types,
             linear_num_heads=int(linear.get("num_heads", heads)),
             linear_head_dim=int(linear["head_dim"]),
