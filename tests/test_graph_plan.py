@@ -360,6 +360,21 @@ def test_deferred_buckets_compile_later_one_bucket_at_a_time():
         check_plan(plan, size)
 
 
+def test_deferred_buckets_compile_as_many_at_a_time_as_there_are_threads():
+    """With two compile threads the deferred buckets compile two at a time: ``limit=2`` makes
+    both ready in one group, handed over in the order they were added; a third follows."""
+    compiler = PlanCompiler(progress=False, threads=2)
+    add_buckets(compiler, (8, 16, 24), deferred=(8, 16, 24))
+    compiler.compile_all()
+    ready = {}
+    group = compiler.compile_deferred(ready.__setitem__, limit=2)
+    assert list(ready) == ["rows=8", "rows=16"] and group.num_compiled == 4
+    compiler.compile_deferred(ready.__setitem__)
+    assert list(ready) == ["rows=8", "rows=16", "rows=24"] and compiler.num_deferred == 0
+    for size, plan in ready.items():
+        check_plan(plan, int(size.removeprefix("rows=")))
+
+
 def test_a_deferred_bucket_the_cache_holds_whole_loads_at_start_up(tmp_path):
     """A warm start has no background work: a deferred bucket whose executables are all in the
     cache is loaded by ``compile_all``; one that misses stays deferred."""

@@ -675,6 +675,17 @@ def test_stacked_decode_weights_take_one_argument_per_weight_kind(runner, gpu_ru
     assert decode_argument_count(gpu_runner) == decode_argument_count(runner) - saved
 
 
+def test_only_small_decode_buckets_take_stacked_weights(runner, gpu_runner):
+    """Stacked weights serve decode buckets of up to ``STACKED_DECODE_MAX_ROWS`` rows; a larger
+    bucket takes one argument per layer weight, as every bucket does without stacking."""
+    small, large = model_runner.STACKED_DECODE_MAX_ROWS, model_runner.STACKED_DECODE_MAX_ROWS + 1
+    stacked, per_layer = gpu_runner.decode_plan(small), gpu_runner.decode_plan(large)
+    assert stacked.calls[0].params[1] is gpu_runner.stacked_layers
+    assert all(a is b for a, b in zip(per_layer.calls[0].params[1], gpu_runner.layer_states,
+                                      strict=True))
+    assert runner.decode_plan(small) is runner.decode_plan(large) is runner.per_layer_decode_plan
+
+
 @pytest.mark.parametrize("setting", ["stack_decode_weights", "inline_prefill_attention"])
 def test_auto_settings_follow_platform_and_layer_weight_size(setting):
     """Stacked decode weights and inline prefill attention are on by default for small models

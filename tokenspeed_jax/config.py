@@ -49,8 +49,9 @@ class EngineConfig:
     max_model_len: int = 4096
     # Show a progress bar during the start-up compile.
     compile_progress: bool = True
-    # Executables compiled at once at start-up (a cold cache). More can shorten a cold start but
-    # disturbs XLA's timing of candidate kernels.
+    # Executables compiled at once at start-up (a cold cache), and buckets at once by the
+    # background compile. More can shorten a cold start but disturbs XLA's timing of candidate
+    # kernels (its autotuner warns that a delay kernel timed out).
     compile_threads: int = 1
     # Compile a skeleton of the buckets before serving (token buckets about 4x apart, the
     # smallest and largest request-count buckets) and the others in a background thread; until
@@ -82,10 +83,10 @@ class EngineConfig:
     # (``kernels/paged_decode.py``); off: two scatters and JAX's paged-attention op
     # (Llama-family models).
     fused_decode_attention: bool = True
-    # Hand the decode step its layer weights as one stacked array per weight ([layers, ...], a
-    # copy made at start-up) instead of one argument per layer's weight: fewer executable
-    # arguments, less host time per step, for one more copy of the layer weights in device
-    # memory. None = auto, as for inline_prefill_attention: on a GPU for models whose layer
+    # Hand the decode steps of small batches (at most 8 rows) their layer weights as one
+    # stacked array per weight ([layers, ...], a copy made at start-up) instead of one argument
+    # per layer's weight: fewer executable arguments, less host time per step, for one more copy
+    # of the layer weights in device memory and a longer compile. None = auto, as for inline_prefill_attention: on a GPU for models whose layer
     # weights take at most 2 GiB, without tensor parallelism (small models, whose decode step is
     # host-bound); off on the CPU, whose XLA backend copies the slices (Llama-family models).
     stack_decode_weights: bool | None = None

@@ -6,8 +6,8 @@ A runner registers each bucket plan with a ``LadderCompiler``, naming the *rungs
 store the compiled plan in its tables. Plans that a rung of the skeleton (``Buckets.skeleton``)
 needs are compiled at start-up; the others are deferred (``PlanCompiler.add(deferred=True)``)
 unless the executable cache holds all their executables. With background compile on,
-``compile_all`` then starts a daemon thread that compiles the deferred plans one bucket at a time
-(``PlanCompiler.compile_deferred``). ``ready`` is the ``Buckets`` of the rungs whose plans are all
+``compile_all`` then starts a daemon thread that compiles the deferred plans as many buckets at a
+time as its compiler has threads (``PlanCompiler.compile_deferred``). ``ready`` is the ``Buckets`` of the rungs whose plans are all
 stored; runners choose buckets from it, so a request never waits on a compile or causes one: it
 takes the smallest ready bucket that fits, padding more until the rung it would have taken is
 ready. Results do not depend on the bucket (padding never changes real rows).
@@ -199,7 +199,7 @@ class LadderCompiler:
         try:
             while (self.compiler.num_deferred and not self._stop.is_set()
                    and threading.main_thread().is_alive()):
-                summary = self.compile_deferred(limit=1)
+                summary = self.compile_deferred(limit=self.compiler.threads)
                 compiled += summary.num_compiled
                 loaded += summary.num_loaded
                 logger.debug("background compile: %s", ", ".join(summary.seconds_per_label))

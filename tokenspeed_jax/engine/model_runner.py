@@ -10,10 +10,14 @@ Routes, chosen per step from static configuration and the step's sizes:
   array, a row per sequence), and reads a row's input token from the previous
   step's board when ``StepRequest.token_row`` asks: so ``launch`` can leave a decode step
   running, and the engine can launch the next one before the tokens reach the host.
-  With ``stack_decode_weights`` (auto for small models on a GPU) the executable takes each
-  layer weight stacked over the layers, a start-up copy, so its argument count does not grow
-  with depth: on a GPU each argument costs host time at every call. The inline prefill encoder
-  keeps one argument per layer weight: stacked, its larger products ran slower.
+  With ``stack_decode_weights`` (auto for small models on a GPU) the executables of buckets of
+  at most ``STACKED_DECODE_MAX_ROWS`` rows take each layer weight stacked over the layers, a
+  start-up copy, so their argument count does not grow with depth: on a GPU each argument
+  costs host time at every call, which only small batches notice. Larger buckets keep one
+  argument per layer weight: stacked, each layer's products are a different fused computation
+  that XLA autotunes on its own (about 10x the compile time), for no gain at 32 rows and more.
+  The inline prefill encoder keeps one argument per layer weight: stacked, its larger products
+  ran slower.
   Successive decode steps of a bucket take its two *turns* (``decode_turns``), each writing its
   sampled rows into a buffer of its own, donated like the caches and the board. With
   ``alternate_decode_executables`` (auto on one GPU) each turn runs its own loaded copy of the
@@ -176,6 +180,8 @@ def split_requests(
 
 
 SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
+# Decode buckets up to this many rows take stacked weights (``stack_decode_weights``).
+STACKED_DECODE_MAX_ROWS = 8
 
 
 # The quick skeleton's XLA option: no autotuning (its kernels are chosen by heuristics), so
@@ -533,11 +539,18 @@ class ModelRunner:
         decode = Break("decode", self._decode_step, carried, decoded, donate=carried)
         per_layer = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))], carried,
                          decoded)
-        self.decode_plan = per_layer if self.stacked_layers is None else Plan(
+        self.stacked_decode_plan = None if self.stacked_layers is None else Plan(
             [Call(decode, (self.outer_state, self.stacked_layers))], carried, decoded)
-        # The quick skeleton's decode (engine/ladders.py): stacked weights make every layer's
-        # products a different fused computation, each compiled (and autotuned) on its own.
+        # Also the quick skeleton's decode (engine/ladders.py): stacked weights make every
+        # layer's products a different fused computation, each compiled (and autotuned) alone.
         self.per_layer_decode_plan = per_layer
+
+    def decode_plan(self, rows: int) -> Plan:
+        """The decode plan of a bucket of ``rows`` rows: stacked weights for small buckets when
+        the runner stacks them (module docstring), one argument per layer weight otherwise."""
+        if self.stacked_decode_plan is not None and rows <= STACKED_DECODE_MAX_ROWS:
+            return self.stacked_decode_plan
+        return self.per_layer_decode_plan
 
     # ----------------------------------------------------------------- start-up compile
 
@@ -683,7 +696,7 @@ class ModelRunner:
         for rows in self.buckets.decode_executables:
             meta = {"decode": abstract(self._decode_meta([], rows))}
             ladders.add(ladders.decode_rungs(rows), f"decode B={rows}",
-                        functools.partial(self._store_decode, rows), self.decode_plan,
+                        functools.partial(self._store_decode, rows), self.decode_plan(rows),
                         {**caches, "board": abstract(self.board),
                          "sampled": sampled_buffer_spec(rows)}, meta, shardings=shardings,
                         copies=2 if self.alternate_decode else 1,

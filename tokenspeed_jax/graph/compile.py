@@ -556,10 +556,10 @@ class PlanCompiler:
     def compile_deferred(self, on_ready: Callable[[str, CompiledPlan], None], *,
                          limit: int | None = None,
                          first: Collection[str] = ()) -> CompileSummary:
-        """Compile the deferred buckets ``compile_all`` left, one at a time in the order they
-        were added, the labels in ``first`` before the others (at most ``limit`` of them), on
-        the calling thread, handing each bucket's
-        compiled plan to ``on_ready(label, plan)`` as soon as it is complete. Every compile here
+        """Compile the deferred buckets ``compile_all`` left, in the order they were added, the
+        labels in ``first`` before the others (at most ``limit`` of them), ``threads`` buckets
+        at a time (their executables side by side on the compile threads), handing each
+        bucket's compiled plan to ``on_ready(label, plan)`` as soon as its group is complete. Every compile here
         is start-up work for the compile guard (``guard.startup``), whatever the thread. Fatal
         on the first failure, as ``compile_all``: that bucket and the ones after it stay
         deferred. The summary covers the buckets compiled by this call."""
@@ -571,13 +571,17 @@ class PlanCompiler:
                              key=lambda bucket: bucket.label not in first)
             done: list[_Bucket] = []
             pass_ = _Pass()
+            waiting = waiting[:limit]
             with guard.startup(), tqdm(disable=True) as bar:
-                for bucket in waiting[:limit]:
-                    if bucket.bound is None:
-                        self._bind(bucket)
-                    (plan,) = self._make_ready([bucket], bar, pass_).values()
-                    done.append(bucket)
-                    on_ready(bucket.label, plan)
+                for start_index in range(0, len(waiting), self.threads):
+                    group = waiting[start_index:start_index + self.threads]
+                    for bucket in group:
+                        if bucket.bound is None:
+                            self._bind(bucket)
+                    plans = self._make_ready(group, bar, pass_)
+                    for bucket in group:
+                        done.append(bucket)
+                        on_ready(bucket.label, plans[bucket.label])
             return self._summary(done, pass_, start)
         finally:
             self._deferred_lock.release()
