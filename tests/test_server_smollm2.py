@@ -71,8 +71,8 @@ def served():
 
 
 def chat(client, **fields):
-    return client.chat.completions.create(model=NAME, messages=ASK, max_tokens=MAX_TOKENS,
-                                          **fields).choices[0]
+    fields = {"max_tokens": MAX_TOKENS, "messages": ASK, **fields}
+    return client.chat.completions.create(model=NAME, **fields).choices[0]
 
 
 def test_json_schema_outputs_validate_for_twenty_seeds(served):
@@ -91,8 +91,10 @@ def test_json_schema_outputs_validate_for_twenty_seeds(served):
 
 def test_json_object_output_parses_to_an_object(served):
     client, _ = served
-    choice = chat(client, temperature=0.7, seed=3, response_format={"type": "json_object"})
-    assert choice.finish_reason == "stop"
+    person = [{"role": "user", "content": "Write Alice, aged 30, as a JSON object with the keys "
+                                          "name and age."}]
+    choice = chat(client, messages=person, temperature=0, response_format={"type": "json_object"})
+    assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(json.loads(choice.message.content), dict)
 
 
