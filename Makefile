@@ -21,8 +21,11 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# Two workers, each test module on one of them (module-scoped engines are built once);
+# tests/conftest.py hands out the slowest modules first so that both finish together.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV)

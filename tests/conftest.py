@@ -5,6 +5,9 @@
   entries a developer's runs left behind and never write to the real cache or use the real key
   (subprocesses inherit the variables).
 * Compile guards are process-wide, so none may outlive its test module.
+* Collection puts the slowest modules first (``SLOWEST_FIRST``), the rest in their usual order:
+  ``make test`` runs modules whole on two workers, handed out in collection order, so the long
+  ones start early and both workers finish together.
 """
 
 import os
@@ -16,6 +19,20 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="tokenspeed-jax-tests-")
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tokenspeed-jax-tests-config-")
 
 from tokenspeed_jax.graph.guard import disarm_all
+
+# Modules taking a minute or more on the 2-core CPU, slowest first (`--durations` shows new ones).
+SLOWEST_FIRST = (
+    "test_kimi_runner.py", "test_tensor_parallel_kimi.py", "test_kimi_engine.py",
+    "test_compile_cache.py", "test_llm.py", "test_model_runner.py", "test_refactor_pins.py",
+    "test_kda.py", "test_runner_stats.py", "test_tensor_parallel.py", "test_deepseek_engine.py",
+    "test_server_smollm2.py",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixtures, keeping it
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
 
 
 @pytest.fixture(autouse=True, scope="module")
