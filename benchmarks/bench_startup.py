@@ -55,6 +55,7 @@ from pathlib import Path
 
 CASES = ("smollm2", "llama8b-shape", "kda")
 PAGE_SIZE = 16
+PREFILL_TOKENS = 2048  # the prompt `--speed` times, as in the prefill benchmarks
 # The random checkpoints' tokenizer: a 320-token byte-level BPE that ships with the tests.
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "tests" / "golden" / "tiny_llama"
 
@@ -161,6 +162,21 @@ def decode_ms(engine, batch: int) -> float:
             runs.append(time.perf_counter() - began)
         best[tokens] = min(runs)
     return (best[144] - best[16]) / 128 * 1e3
+
+
+def prefill_ms(engine, tokens: int) -> float:
+    """Milliseconds of one ``tokens``-token prompt's prefill through ``engine.generate`` (one
+    output token, so nothing decodes): the best of three runs."""
+    from tokenspeed_jax.sampling_params import SamplingParams
+
+    prompt = [(j * 7) % 300 + 5 for j in range(tokens)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    runs = []
+    for _ in range(3):
+        began = time.perf_counter()
+        engine.generate([(prompt, params)])
+        runs.append(time.perf_counter() - began)
+    return min(runs) * 1e3
 
 
 def _generate(runner) -> str:
@@ -320,9 +336,11 @@ def child(args: argparse.Namespace) -> None:
             time.sleep(0.1)
         print("TUNED", flush=True)
         runner.ladders.wait()
-        if args.decode_speed:
+        if args.speed:
             speeds = {f"decode_ms_bs{batch}": decode_ms(bundle.engine, batch)
                       for batch in (1, 64)}
+            tokens = min(PREFILL_TOKENS, runner.buckets.tokens[-1])
+            speeds[f"prefill_ms_T{tokens}"] = prefill_ms(bundle.engine, tokens)
     print("LADDER", flush=True)
     print("DONE " + json.dumps({"outputs": run(), **speeds}), flush=True)
 
@@ -336,7 +354,7 @@ def start_once(args: argparse.Namespace, case: str, cache_dir: Path,
     command += ["--compile-threads", str(args.compile_threads)]
     for flag, on in _switches(args).items():
         command.append(f"--{'' if on else 'no-'}{flag.replace('_', '-')}")
-    command += ["--decode-speed"] * args.decode_speed
+    command += ["--speed"] * args.speed
     began = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     result: dict = {}
@@ -401,8 +419,10 @@ def print_table(rows: list[dict]) -> None:
               f"{warm['import_s']:8.1f} {seconds(warm['checkpoint_load_s']):>6} "
               f"{warm['load_s']:10.2f} {row['identical_outputs']!s:>8}")
         if "decode_ms_bs1" in warm:
-            print(f"{'':<15} decode ms after start-up (warm), batch 1 / 64: "
-                  f"{warm['decode_ms_bs1']:.3f} / {warm['decode_ms_bs64']:.3f}")
+            prefill = next(key for key in warm if key.startswith("prefill_ms_T"))
+            print(f"{'':<15} after start-up (warm): decode ms, batch 1 / 64: "
+                  f"{warm['decode_ms_bs1']:.3f} / {warm['decode_ms_bs64']:.3f}; prefill ms, "
+                  f"{prefill.removeprefix('prefill_ms_T')} tokens: {warm[prefill]:.1f}")
 
 
 def main() -> None:
@@ -426,8 +446,10 @@ def main() -> None:
     parser.add_argument("--quick-skeleton", action=argparse.BooleanOptionalAction,
                         help="compile the skeleton without autotuning and autotune it in the "
                              "background, or not (EngineConfig's option; unset: its auto rule)")
-    parser.add_argument("--decode-speed", action="store_true",
-                        help="after the ladder is complete, time decode steps at batch 1 and 64")
+    parser.add_argument("--speed", action="store_true",
+                        help="after the ladder is complete, time decode steps at batch 1 and 64 "
+                             f"and the prefill of one prompt of {PREFILL_TOKENS} tokens (or the "
+                             "largest token bucket)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
