@@ -8,6 +8,7 @@ executables compiled by the first are loaded from the session's executable cache
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import socket
 import threading
@@ -81,6 +82,16 @@ def serving(bundle) -> Iterator[tuple[str, AsyncEngine]]:
             yield url, engine
     finally:
         engine.shutdown()
+
+
+def schema_replies(chat, schema: dict, seeds: int = 20) -> list:
+    """``chat(**fields)`` (one request, its first choice) sampled at temperature 1 under
+    ``response_format`` ``json_schema`` (strict) for seeds ``0 .. seeds-1``, 8 at a time."""
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda seed: chat(temperature=1.0, seed=seed,
+                                               response_format=response_format), range(seeds)))
 
 
 def openai_client(url: str) -> openai.OpenAI:

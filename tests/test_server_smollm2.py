@@ -11,12 +11,11 @@ alone. Nothing compiles while serving.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 
 import jsonschema
 import pytest
-from serving import openai_client, running_server
+from serving import openai_client, running_server, schema_replies
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.async_engine import AsyncEngine
@@ -77,11 +76,7 @@ def chat(client, **fields):
 
 def test_json_schema_outputs_validate_for_twenty_seeds(served):
     client, bundle = served
-    response_format = {"type": "json_schema",
-                       "json_schema": {"name": "fruit", "schema": FRUIT, "strict": True}}
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        choices = list(pool.map(lambda seed: chat(client, temperature=1.0, seed=seed,
-                                                  response_format=response_format), range(20)))
+    choices = schema_replies(lambda **fields: chat(client, **fields), FRUIT)
     for choice in choices:
         assert choice.finish_reason == "stop"  # the grammar completed the object
         jsonschema.validate(json.loads(choice.message.content), FRUIT)

@@ -13,7 +13,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from serving import CONFIG, MODEL_NAME, openai_client, serving
+from serving import CONFIG, MODEL_NAME, openai_client, schema_replies, serving
 
 from tokenspeed_jax.engine.startup import build_engine
 
@@ -48,11 +48,7 @@ def chat(client, **fields):
 
 def test_json_schema_outputs_validate_for_twenty_seeds(served):
     client, bundle = served
-    response_format = {"type": "json_schema",
-                       "json_schema": {"name": "thing", "schema": THING, "strict": True}}
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(lambda seed: chat(client, temperature=1.0, seed=seed,
-                                                response_format=response_format), range(20)))
+    texts = schema_replies(lambda **fields: chat(client, **fields), THING)
     for text in texts:
         jsonschema.validate(json.loads(text), THING)
     assert len(set(texts)) > 1  # sampled, not one answer
