@@ -133,3 +133,32 @@ def test_with_the_cache_off_every_start_sizes_from_free_memory(monkeypatch, tmp_
     assert recorded_pages(monkeypatch, tmp_path, affording(2628), compile_cache=False) == 2560
     assert recorded_pages(monkeypatch, tmp_path, affording(5000), compile_cache=False) == 4864
     assert list(tmp_path.iterdir()) == []
+
+
+class _Reserved(Exception):
+    """Raised by the patched sizing with the bytes start-up reserved: the test ends there."""
+
+
+@pytest.mark.parametrize(("model", "stacked_copy"), [("tiny_llama", True),
+                                                      ("tiny_deepseek_v3", False)])
+def test_start_up_reserves_the_runners_own_device_bytes(monkeypatch, model, stacked_copy):
+    """Before sizing the KV cache, start-up sets aside what the family's runner adds: a Llama
+    runner with stacked decode weights holds a copy of its layer weights; the MLA runner of
+    DeepSeek-V3 uses its weights in place, whatever ``stack_decode_weights`` says."""
+    import jax
+    from flax import nnx
+
+    from tokenspeed_jax.models.loader import load_model
+
+    def sizing(config, page_bytes, reserved, *, model):
+        raise _Reserved(reserved)
+
+    monkeypatch.setattr(startup, "num_kv_pages", sizing)
+    loaded = load_model(f"tests/golden/{model}")
+    config = EngineConfig(model=f"tests/golden/{model}", stack_decode_weights=True,
+                          compile_cache=False)
+    with pytest.raises(_Reserved) as reserved:
+        startup.build_engine(config, loaded)
+    layer_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(
+        [nnx.state(layer) for layer in loaded.model.layers]))
+    assert reserved.value.args[0] == (layer_bytes if stacked_copy else 0)

@@ -235,6 +235,11 @@ class KimiRunner:
     """Runs engine steps of a Kimi-Linear model (or of any model of MLA layers, as DeepSeek-V3)
     over its state pools and latent pages."""
 
+    @staticmethod
+    def extra_device_bytes(config: EngineConfig, model: Any) -> int:
+        """Device bytes besides the caches and state pools (``ModelRunner.extra_device_bytes``):
+        none, the weights are used in place."""
+        return 0
 
     def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, num_pages: int,
                  page_size: int = 16, *, num_state_slots: int = 0) -> None:

@@ -309,15 +309,6 @@ def runner_settings(config: EngineConfig, model: Any, *, page_size: int,
     )
 
 
-def stacked_copy_bytes(config: EngineConfig, model: Any) -> int:
-    """Device bytes a ``ModelRunner`` of ``model`` adds for its stacked decode weights (0 when
-    it keeps them per layer): what start-up reserves before sizing the KV cache."""
-    layer_states = [nnx.state(layer) for layer in model.layers]
-    if stacks_decode_weights(config, layer_states, jax.default_backend()):
-        return layer_weight_bytes(layer_states)
-    return 0
-
-
 def stack_layer_states(layer_states: Sequence[Any], compiler: PlanCompiler) -> Any:
     """One state whose every leaf stacks that leaf of each layer along a new leading axis, made
     by an executable of ``compiler`` (``graph/arrays.py``: loaded from its cache when warm)."""
@@ -333,6 +324,16 @@ def unstack_layer_states(stacked: Any, num_layers: int) -> list[Any]:
 
 class ModelRunner:
     """Runs engine steps of a stage-structured causal LM on a paged KV cache it owns."""
+
+    @staticmethod
+    def extra_device_bytes(config: EngineConfig, model: Any) -> int:
+        """Device bytes a runner of ``model`` adds besides its caches, which start-up reserves
+        before sizing the KV cache: the stacked decode weights' copy (0 when it keeps them per
+        layer)."""
+        layer_states = [nnx.state(layer) for layer in model.layers]
+        if stacks_decode_weights(config, layer_states, jax.default_backend()):
+            return layer_weight_bytes(layer_states)
+        return 0
 
     def __init__(self, model: Any, config: EngineConfig, num_pages: int, page_size: int = 16,
                  *, settings: RunnerSettings | None = None):

@@ -160,7 +160,6 @@ class EngineBundle:
 def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     """Load the model (unless ``loaded`` is given), size the KV cache, compile every executable,
     return a ready engine."""
-    from tokenspeed_jax.engine.model_runner import stacked_copy_bytes
     from tokenspeed_jax.models.loader import load_model
 
     start = time.perf_counter()
@@ -193,10 +192,9 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         reserved = -(-state_slots.num_slots
                      * family.state_slot_bytes(loaded.config, dtype, config.kda_state_dtype)
                      // parallel.mesh_size(mesh))
-    if state_slots is None:
-        reserved += stacked_copy_bytes(config, loaded.model)
-    num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))
     runner_class = family.runner_class()
+    reserved += runner_class.extra_device_bytes(config, loaded.model)
+    num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))
     if state_slots is None:
         runner = runner_class(loaded.model, config, num_pages, config.page_size)
     else:
