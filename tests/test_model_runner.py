@@ -806,13 +806,14 @@ LADDER = dataclasses.replace(
     decode_graph_capture_batch_sizes=None, decode_graph_max_bs=8, background_compile=True)
 
 
-def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
+def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path, caplog):
     """With background compile, ``compile_all`` returns once the skeleton is compiled. Driving
     the deferred compile one bucket plan at a time: every step takes the smallest ready bucket,
     with no compile on its path (strict guard) and the reference forward's tokens, log-probs and
     K/V; each rung is ready once all its plans are; and once the ladder is complete the same
-    requests pad less, with the same tokens. (A cache of its own: a deferred plan the cache
-    held whole would be ready at once.)"""
+    requests pad less, with the same tokens. (A cache of its own: its deferred plans are not
+    in the cache.) A warm start on that cache loads the skeleton, serves, and loads the rest in
+    the background, compiling nothing."""
     runner = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path)),
                          64, PAGE)
     summary = runner.compile_all(start_background=False)
@@ -831,9 +832,9 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
 
         first, padded = serve()
         assert padded == (64 - 26) + 2 * (8 - 3)  # token bucket 64, decode bucket 8
-        readiness = []
+        readiness, compiled_later = [], 0
         while not runner.ladders.complete:
-            runner.ladders.compile_deferred(limit=1)
+            compiled_later += runner.ladders.compile_deferred(limit=1).num_compiled
             readiness.append(runner.ready)
             assert serve()[0] == first
         assert readiness == [
@@ -850,6 +851,21 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path):
         assert (stats["buckets_ready"], stats["buckets_total"]) == (10, 10)
     finally:
         runner.guard.disarm()
+    # A warm start loads the skeleton's plans before it serves and the others in the background,
+    # compiling nothing: the same tokens from the skeleton, then from the complete ladder.
+    warm = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path)), 64,
+                       PAGE)
+    with caplog.at_level(logging.INFO, logger="tokenspeed_jax.engine.ladders"):
+        summary = warm.compile_all()
+        try:
+            assert (summary.num_compiled, summary.num_deferred) == (0, 4)
+            assert summary.num_loaded == summary.num_executables
+            assert warm.ladders.wait(timeout=120) and warm.ready == warm.buckets
+            assert generate(model, warm, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
+            assert warm.stats()["runtime_compiles"] == 0
+        finally:
+            warm.guard.disarm()
+    assert f"background compile: 0 executables compiled and {compiled_later} loaded" in caplog.text
 
 
 def decode_weight_leaves(runner, rows: int) -> int:

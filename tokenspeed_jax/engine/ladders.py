@@ -4,10 +4,11 @@ background.
 A runner registers each bucket plan with a ``LadderCompiler``, naming the *rungs* (a
 ``Buckets`` field and one of its sizes, e.g. ``("tokens", 512)``) that need the plan, and how to
 store the compiled plan in its tables. Plans that a rung of the skeleton (``Buckets.skeleton``)
-needs are compiled at start-up; the others are deferred (``PlanCompiler.add(deferred=True)``)
-unless the executable cache holds all their executables. With background compile on,
-``compile_all`` then starts a daemon thread that compiles the deferred plans as many buckets at a
-time as its compiler has threads (``PlanCompiler.compile_deferred``). ``ready`` is the ``Buckets`` of the rungs whose plans are all
+needs are compiled (or loaded) at start-up; the others are deferred
+(``PlanCompiler.add(deferred=True)``). With background compile on, ``compile_all`` then starts a
+daemon thread that loads the deferred plans the executable cache holds whole, then compiles the
+others, as many buckets at a time as its compiler has threads
+(``PlanCompiler.compile_deferred``): a warm start is ready once the skeleton is loaded. ``ready`` is the ``Buckets`` of the rungs whose plans are all
 stored; runners choose buckets from it, so a request never waits on a compile or causes one: it
 takes the smallest ready bucket that fits, padding more until the rung it would have taken is
 ready. Results do not depend on the bucket (padding never changes real rows).
@@ -147,9 +148,11 @@ class LadderCompiler:
     # ----------------------------------------------------------------- compiling
 
     def compile_all(self, *, background: bool = True) -> CompileSummary:
-        """Compile the skeleton's plans (and load the deferred ones the cache holds whole),
-        store them, and with ``background`` start the thread that compiles the rest."""
-        plans, summary = self.compiler.compile_all()
+        """Compile the skeleton's plans, store them, and with ``background`` start the thread
+        that loads and compiles the rest; without it, the deferred plans the cache holds whole
+        are loaded here."""
+        plans, summary = self.compiler.compile_all(
+            load_deferred=set(self._quick_plans) if background else None)
         for label, plan in plans.items():
             self._store(label, plan)
         untuned = [label for label in self._quick_plans if label not in plans]

@@ -30,10 +30,11 @@ loaded without tracing, lowering or compiling; a miss is compiled and written ba
   ``Compiled.__call__``'s pytree and signature handling, its outputs wrapped by the
   executable's own result handlers; XLA still checks every buffer's size at each call.
 * **Deferred buckets** (``add(..., deferred=True)``): ``compile_all`` loads a deferred bucket
-  only when every one of its executables is in the cache (so a warm start has nothing left to
-  do), without tracing it; ``compile_deferred(on_ready)`` traces and compiles the others one
-  bucket at a time, on the calling thread (a server's background thread), and hands each
-  bucket's compiled plan to ``on_ready`` once all its executables are there. Its compiles are
+  only when every one of its executables is in the cache (only those its ``load_deferred``
+  names, when given), without tracing it; ``compile_deferred(on_ready)`` loads the other cached
+  ones first, then traces and compiles the rest, on the calling thread (a server's background
+  thread), and hands each bucket's compiled plan to ``on_ready`` once all its executables are
+  there. Its compiles are
   start-up work for the compile guard (``guard.startup`` is per thread) and a failure is the
   same fatal ``CompileError`` as in ``compile_all``, raised to its caller. A compiler serves
   one ``compile_deferred`` call at a time; after ``compile_all``, nothing else touches it.
@@ -538,13 +539,15 @@ class PlanCompiler:
         """Deferred buckets whose plans are not compiled yet."""
         return sum(bucket.deferred and not bucket.ready for bucket in self._buckets.values())
 
-    def compile_all(self) -> tuple[dict[str, CompiledPlan], CompileSummary]:
+    def compile_all(self, *, load_deferred: Collection[str] | None = None
+                    ) -> tuple[dict[str, CompiledPlan], CompileSummary]:
         """Compile (or load) every bucket that is not deferred, and load every deferred bucket
-        whose executables are all in the cache; fatal on the first failure. The other deferred
-        buckets are ``compile_deferred``'s."""
+        whose executables are all in the cache (with ``load_deferred``, only those it names);
+        fatal on the first failure. The other deferred buckets are ``compile_deferred``'s."""
         start = time.perf_counter()
         for bucket in self._buckets.values():
-            if bucket.bound is None:
+            if bucket.bound is None and (not bucket.deferred or load_deferred is None
+                                         or bucket.label in load_deferred):
                 self._bind(bucket, hits_only=True)
         buckets = [bucket for bucket in self._buckets.values() if bucket.bound is not None]
         pass_ = _Pass()
@@ -556,10 +559,11 @@ class PlanCompiler:
     def compile_deferred(self, on_ready: Callable[[str, CompiledPlan], None], *,
                          limit: int | None = None,
                          first: Collection[str] = ()) -> CompileSummary:
-        """Compile the deferred buckets ``compile_all`` left, in the order they were added, the
-        labels in ``first`` before the others (at most ``limit`` of them), ``threads`` buckets
-        at a time (their executables side by side on the compile threads), handing each
-        bucket's compiled plan to ``on_ready(label, plan)`` as soon as its group is complete. Every compile here
+        """Load or compile the deferred buckets ``compile_all`` left: those the cache holds
+        whole first, then the labels in ``first``, then the others in the order they were added
+        (at most ``limit`` of them), ``threads`` buckets at a time (their executables side by
+        side on the compile threads), handing each bucket's compiled plan to
+        ``on_ready(label, plan)`` as soon as its group is complete. Every compile here
         is start-up work for the compile guard (``guard.startup``), whatever the thread. Fatal
         on the first failure, as ``compile_all``: that bucket and the ones after it stay
         deferred. The summary covers the buckets compiled by this call."""
@@ -567,8 +571,11 @@ class PlanCompiler:
             raise RuntimeError("compile_deferred is already running on another thread")
         try:
             start = time.perf_counter()
-            waiting = sorted((b for b in self._buckets.values() if b.deferred and not b.ready),
-                             key=lambda bucket: bucket.label not in first)
+            waiting = [b for b in self._buckets.values() if b.deferred and not b.ready]
+            for bucket in waiting:
+                if bucket.bound is None:
+                    self._bind(bucket, hits_only=True)  # a lookup: nothing is traced
+            waiting.sort(key=lambda bucket: (bucket.bound is None, bucket.label not in first))
             done: list[_Bucket] = []
             pass_ = _Pass()
             waiting = waiting[:limit]

@@ -140,7 +140,8 @@ def serve(config: EngineConfig, *, log_level: str = "warning",
         if summary.num_deferred:
             stats = bundle.runner.stats()
             background = (f"; {stats['buckets_ready']} of {stats['buckets_total']} buckets "
-                          f"ready, {summary.num_deferred} bucket plans compile in the background")
+                          f"ready, {summary.num_deferred} bucket plans load or compile in the "
+                          f"background")
         print(f"ready: {summary.num_executables} executables in {bundle.seconds:.1f}s "
               f"({summary.describe()}; {bundle.engine.block_manager.num_pages} KV pages of "
               f"{config.page_size} tokens){background}", flush=True)
