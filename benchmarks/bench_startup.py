@@ -145,6 +145,16 @@ def _engine(config):
     return bundle, load_seconds
 
 
+def best_seconds(run, repeats: int = 3) -> float:
+    """The shortest of ``repeats`` timed calls of ``run()``."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
 def decode_ms(engine, batch: int) -> float:
     """Milliseconds per decode step of ``batch`` greedy requests through ``engine.generate``:
     the best of three runs of 144 and of 16 tokens, their difference over 128 steps (the
@@ -155,12 +165,7 @@ def decode_ms(engine, batch: int) -> float:
     best = {}
     for tokens in (16, 144):
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens)
-        runs = []
-        for _ in range(3):
-            began = time.perf_counter()
-            engine.generate([(p, params) for p in prompts])
-            runs.append(time.perf_counter() - began)
-        best[tokens] = min(runs)
+        best[tokens] = best_seconds(lambda p=params: engine.generate([(q, p) for q in prompts]))
     return (best[144] - best[16]) / 128 * 1e3
 
 
@@ -171,12 +176,7 @@ def prefill_ms(engine, tokens: int) -> float:
 
     prompt = [(j * 7) % 300 + 5 for j in range(tokens)]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    runs = []
-    for _ in range(3):
-        began = time.perf_counter()
-        engine.generate([(prompt, params)])
-        runs.append(time.perf_counter() - began)
-    return min(runs) * 1e3
+    return best_seconds(lambda: engine.generate([(prompt, params)])) * 1e3
 
 
 def _generate(runner) -> str:
@@ -286,10 +286,10 @@ class BackendCompiles:
         monitoring.register_event_duration_secs_listener(self._record)
         compile_all = PlanCompiler.compile_all
 
-        def counted_compile_all(compiler):
+        def counted_compile_all(compiler, **options):
             self._inside_plans = True
             try:
-                return compile_all(compiler)
+                return compile_all(compiler, **options)
             finally:
                 self._inside_plans = False
 

@@ -8,10 +8,10 @@ needs are compiled (or loaded) at start-up; the others are deferred
 (``PlanCompiler.add(deferred=True)``). With background compile on, ``compile_all`` then starts a
 daemon thread that loads the deferred plans the executable cache holds whole, then compiles the
 others, as many buckets at a time as its compiler has threads
-(``PlanCompiler.compile_deferred``): a warm start is ready once the skeleton is loaded. ``ready`` is the ``Buckets`` of the rungs whose plans are all
-stored; runners choose buckets from it, so a request never waits on a compile or causes one: it
-takes the smallest ready bucket that fits, padding more until the rung it would have taken is
-ready. Results do not depend on the bucket (padding never changes real rows).
+(``PlanCompiler.compile_deferred``): a warm start is ready once the skeleton is loaded.
+``ready`` is the ``Buckets`` of the rungs whose plans are all stored; runners choose buckets from
+it, so a request never waits on a compile or causes one: it takes the smallest ready bucket that
+fits, padding more until the rung it would have taken is ready. Results do not depend on the bucket (padding never changes real rows).
 
 Invariants:
 

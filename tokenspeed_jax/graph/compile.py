@@ -225,6 +225,7 @@ class _Bucket:
     copies: int
     deferred: bool
     bound: list[tuple[_Job, Call, str | None]] | None = None  # None: not traced yet
+    missed: bool = False  # a cache lookup found it incomplete: it is traced when compiled
     ready: bool = False  # its compiled plan was handed out
 
     @property
@@ -380,6 +381,7 @@ class PlanCompiler:
         for call in bucket.plan.calls:
             job = self._trace(bucket.label, call, values, bucket.meta_specs, hits_only=hits_only)
             if job is None:
+                bucket.missed = True
                 return False
             values.update(zip(call.outputs, job.out_info))
             bound.append((job, call, call.stage.name if isinstance(call.stage, Break) else None))
@@ -573,7 +575,7 @@ class PlanCompiler:
             start = time.perf_counter()
             waiting = [b for b in self._buckets.values() if b.deferred and not b.ready]
             for bucket in waiting:
-                if bucket.bound is None:
+                if bucket.bound is None and not bucket.missed:
                     self._bind(bucket, hits_only=True)  # a lookup: nothing is traced
             waiting.sort(key=lambda bucket: (bucket.bound is None, bucket.label not in first))
             done: list[_Bucket] = []
