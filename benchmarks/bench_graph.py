@@ -125,14 +125,14 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
     rows, dispatch = [], []
     for tokens in sizes:
         request = prompt_request("p", tokens, 0, 1)
-        inputs, attention, _ = runner.prefill_arrays([request], tokens, 1)
+        inputs, attention = runner.prefill_arrays([request], tokens, 1)
         meta = {"attention": attention}
         plan = runner.encoder(tokens)
 
         def segmented(plan=plan, inputs=inputs, meta=meta, runner=runner):
             out = plan.run({**jax.device_put(inputs), **runner.kv_caches()}, meta)
             runner.store_kv_caches(out)
-            return jax.block_until_ready(out["hidden"])
+            return jax.block_until_ready(out["rows_hidden"])
 
         inline = functools.partial(segmented, inline_runner.encoder(tokens), runner=inline_runner)
 
@@ -140,14 +140,14 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
             out = whole(whole_params, {**jax.device_put(inputs), **runner.kv_caches()},
                         jax.device_put(meta))
             runner.store_kv_caches(out)
-            return jax.block_until_ready(out["hidden"])
+            return jax.block_until_ready(out["rows_hidden"])
 
         def eager(inputs=inputs, meta=meta):
             out = run_eager(runner.encoder_plan,
                             {**jax.device_put(inputs), **runner.kv_caches()},
                             jax.device_put(meta))
             runner.store_kv_caches(out)
-            return jax.block_until_ready(out["hidden"])
+            return jax.block_until_ready(out["rows_hidden"])
 
         t_seg = timed(segmented, iters)
         t_inline = timed(inline, iters)
@@ -168,7 +168,7 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
             out = plan.run(device_inputs, meta)
             enqueue.append(time.perf_counter() - start)
             runner.store_kv_caches(out)
-            jax.block_until_ready(out["hidden"])
+            jax.block_until_ready(out["rows_hidden"])
         dispatch.append({"tokens": tokens, "calls": len(plan.calls),
                          "host_us_per_call": statistics.median(enqueue) / len(plan.calls) * 1e6})
     return rows, dispatch

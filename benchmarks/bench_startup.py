@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -171,12 +172,18 @@ def decode_ms(engine, batch: int) -> float:
 
 def prefill_ms(engine, tokens: int) -> float:
     """Milliseconds of one ``tokens``-token prompt's prefill through ``engine.generate`` (one
-    output token, so nothing decodes): the best of three runs."""
+    output token, so nothing decodes): the best of three runs, each of a prompt of its own
+    (another first token), so that the prefix cache holds none of it."""
     from tokenspeed_jax.sampling_params import SamplingParams
 
-    prompt = [(j * 7) % 300 + 5 for j in range(tokens)]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    return best_seconds(lambda: engine.generate([(prompt, params)])) * 1e3
+    runs = itertools.count()
+
+    def run() -> None:
+        shift = next(runs)
+        engine.generate([([(j * 7 + shift) % 300 + 5 for j in range(tokens)], params)])
+
+    return best_seconds(run) * 1e3
 
 
 def _generate(runner) -> str:
@@ -384,7 +391,9 @@ def bench_case(args: argparse.Namespace, case: str) -> dict:
             write_s = _write_checkpoint(args, case, model_dir)
             print(f"{case}: wrote a random checkpoint in {write_s:.1f}s", flush=True)
         cold = start_once(args, case, cache_dir, model_dir)
+        print(f"{case} cold: {json.dumps(cold)}", flush=True)
         warm = start_once(args, case, cache_dir, model_dir)
+        print(f"{case} warm: {json.dumps(warm)}", flush=True)
         size = sum(f.stat().st_size for f in cache_dir.iterdir())
     return {"case": case, "checkpoint_write_s": write_s, "cold": cold, "warm": warm,
             "warm_over_cold": warm["ready_s"] / cold["ready_s"],

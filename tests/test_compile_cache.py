@@ -36,15 +36,15 @@ from tokenspeed_jax.graph.trust import load_mac_key
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-# Distinct executables of the tiny runner below: embed+qkv, out+qkv, out, the attention break and
-# the narrowing (token bucket 16); per request bucket (1, 2): head, resample, penalized resample;
-# one decode step (decode buckets 1 and 2 share the two-row executable).
-NUM_EXECUTABLES = 5 + 3 * 2 + 1
+# Distinct executables of the tiny runner below: embed+qkv, out+qkv, out (with the sampled rows'
+# gather) and the attention break (token bucket 16); per request bucket (1, 2): head, resample,
+# penalized resample; one decode step (decode buckets 1 and 2 share the two-row executable).
+NUM_EXECUTABLES = 4 + 3 * 2 + 1
 # Made while the runner is built, before its plans: the zero-filled KV pages (graph/arrays.py).
 NUM_ALLOCATING = 1
 NUM_ENTRIES = NUM_EXECUTABLES + NUM_ALLOCATING
-# Narrow and the resample plans read only their arguments: no model state in their keys.
-NUM_STATELESS = 1 + 2 * 2
+# The resample plans read only their arguments: no model state in their keys.
+NUM_STATELESS = 2 * 2
 NEW_DECODE_BUCKET = 3  # decode, resample and penalized resample of one more decode bucket
 
 
@@ -405,7 +405,7 @@ def test_cli_lists_verifies_and_clears(cold, tmp_path, capsys):
     listing = capsys.readouterr().out
     assert f"{NUM_ENTRIES} entries" in listing
     for segment, bucket in (("embed+qkv", "prefill T=16"), ("decode", "decode B=2"),
-                            ("narrow", "narrow T=16"), ("head", "head B=1"),
+                            ("out", "prefill T=16"), ("head", "head B=1"),
                             ("sample", "resample B=2")):
         assert any(segment in line and bucket in line for line in listing.splitlines())
     assert cache_cli.main(["verify", "--dir", str(directory)]) == 0

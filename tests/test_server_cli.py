@@ -149,7 +149,7 @@ def test_sigterm_ends_requests_still_running_at_the_deadline_then_exits_0():
 
 
 def test_ready_line_counts_the_buckets_left_to_the_background_compile(tmp_path):
-    """Token buckets 16, 48 and 64: the skeleton leaves 48 (its encoder and narrowing) to the
+    """Token buckets 16, 48 and 64: the skeleton leaves 48 (its encoder) to the
     background, and the ready line says so (an empty cache of its own: a cache holding them
     would make them ready at once). A request at once gets the reference generator's tokens,
     and SIGTERM exits 0 whether or not the background compile is done."""

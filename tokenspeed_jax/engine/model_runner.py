@@ -41,9 +41,9 @@ Routes, chosen per step from static configuration and the step's sizes:
   ``min(tokens, largest request bucket)`` page-table rows, so its shapes, and the executable
   count, do not depend on how much context is cached. With ``inline_prefill_attention`` (auto
   for small models on a GPU) the encoder is instead one executable per token bucket, attention
-  inside (as decode has it): two host calls per prefill step instead of 2L+1, for models whose
-  prefill is dispatch-bound, at the price of compiling the whole forward per bucket. Then the
-  *narrowing* break (one per token bucket) gathers each sampled request's last hidden row into a
+  inside (as decode has it): two host calls per prefill step instead of 2L+2, for models whose
+  prefill is dispatch-bound, at the price of compiling the whole forward per bucket. Either way
+  the encoder ends by gathering each sampled request's last hidden row (input ``rows``) into a
   block of ``narrow_rows`` rows, and a *decoder* plan per row bucket runs the head and the
   in-step sampler on its first rows. Steps with more tokens than the largest bucket are cut into
   chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the largest
@@ -391,7 +391,6 @@ class ModelRunner:
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}
-        self._narrowers: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
         self._decode_turns: dict[int, DecodeTurns] = {}
         self._decode_builders: dict[int, PackedBuilder] = {}
@@ -419,8 +418,9 @@ class ModelRunner:
         hidden = self._layer(this).attention_outputs(hidden, attn)
         return (hidden, *self._layer(following).attention_inputs(hidden, positions))
 
-    def _out(self, params: Any, hidden: jax.Array, attn: jax.Array) -> jax.Array:
-        return self._layer(params).attention_outputs(hidden, attn)
+    def _out(self, params: Any, hidden: jax.Array, attn: jax.Array, rows: jax.Array
+             ) -> jax.Array:
+        return jnp.take(self._layer(params).attention_outputs(hidden, attn), rows, axis=0)
 
     def _attention(self, params: Any, packed: Packed, q: jax.Array, k: jax.Array, v: jax.Array,
                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> tuple:
@@ -431,10 +431,6 @@ class ModelRunner:
                                        meta["token_request"], positions, meta.get("work"),
                                        scale=self.scale, kernel=self.prefill_kernel)
         return attn, k_pages, v_pages
-
-    @staticmethod
-    def _narrow(params: Any, meta: dict, hidden: jax.Array) -> jax.Array:
-        return jnp.take(hidden, meta["rows"], axis=0)
 
     def _head(self, params: Any, packed: Packed, hidden: jax.Array) -> tuple:
         """The head and the in-step sampler on the first rows of ``hidden``, one per sampling
@@ -494,13 +490,15 @@ class ModelRunner:
                 [f"v_pages.{i}" for i in range(self.num_layers)])
 
     def _inline_encoder(self, params: Any, packed: Packed, token_ids: jax.Array,
-                        positions: jax.Array, *caches: jax.Array) -> tuple:
-        """The whole encoder with attention inside: hidden states and the written caches."""
+                        positions: jax.Array, rows: jax.Array, *caches: jax.Array) -> tuple:
+        """The whole encoder with attention inside: the hidden states of ``rows`` and the
+        written caches."""
 
         def attend(q, k, v, k_pages, v_pages):
             return self._attention((), packed, q, k, v, positions, k_pages, v_pages)
 
-        return self._every_layer(params, token_ids, positions, caches, attend)
+        hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend)
+        return (jnp.take(hidden, rows, axis=0), *caches)
 
     def _segmented_encoder(self, k_names: list[str], v_names: list[str]) -> list[Call]:
         """The encoder's calls: segments between layers, an attention break per layer."""
@@ -508,7 +506,8 @@ class ModelRunner:
                         ("hidden", "q", "k", "v"))
         middle = Segment("out+qkv", self._out_qkv, ("hidden", "attn", "positions"),
                          ("hidden", "q", "k", "v"), donate=("hidden", "attn"))
-        last = Segment("out", self._out, ("hidden", "attn"), ("hidden",), donate=("hidden",))
+        last = Segment("out", self._out, ("hidden", "attn", "rows"), ("rows_hidden",),
+                       donate=("hidden",))
         attention = Break("attention", self._attention,
                           ("q", "k", "v", "positions", "k_pages", "v_pages"),
                           ("attn", "k_pages", "v_pages"), donate=("q", "k_pages", "v_pages"))
@@ -524,14 +523,14 @@ class ModelRunner:
         k_names, v_names = self._cache_names()
         caches = (*k_names, *v_names)
         if self.inline_prefill:
-            encoder = Break("attention", self._inline_encoder, ("token_ids", "positions", *caches),
-                            ("hidden", *caches), donate=caches)
+            encoder = Break("attention", self._inline_encoder,
+                            ("token_ids", "positions", "rows", *caches), ("rows_hidden", *caches),
+                            donate=caches)
             calls = [Call(encoder, (self.outer_state, tuple(self.layer_states)))]
         else:
             calls = self._segmented_encoder(k_names, v_names)
-        self.encoder_plan = Plan(calls, ("token_ids", "positions", *caches), ("hidden", *caches))
-        narrow = Break("narrow", self._narrow, ("hidden",), ("rows_hidden",))
-        self.narrow_plan = Plan([Call(narrow)], ("hidden",), ("rows_hidden",))
+        self.encoder_plan = Plan(calls, ("token_ids", "positions", "rows", *caches),
+                                 ("rows_hidden", *caches))
         head = Break("head", self._head, ("rows_hidden",), ("sampled", "logits"))
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
                                  ("sampled", "logits"))
@@ -562,7 +561,7 @@ class ModelRunner:
 
     @property
     def narrow_rows(self) -> int:
-        """Rows every narrowing gathers (the largest request bucket): one narrowing executable
+        """Rows every encoder gathers for the head (the largest request bucket): one encoder
         per token bucket serves every request bucket, whose head reads its first rows."""
         return self.buckets.prefill_requests[-1]
 
@@ -571,10 +570,10 @@ class ModelRunner:
         return min(num_tokens, self.narrow_rows)
 
     def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
-                       num_requests: int, num_table_rows: int | None = None
-                       ) -> tuple[dict, dict, dict]:
-        """Host-built (numpy) arrays of one padded prefill group: inputs, attention (packed),
-        head (``rows``: each sampled request's last token).
+                       num_rows: int, num_table_rows: int | None = None
+                       ) -> tuple[dict, Packed]:
+        """Host-built (numpy) arrays of one padded prefill group: the inputs (``rows``: each
+        sampled request's last token, padded to ``num_rows``) and the attention's (packed).
 
         The attention arrays are the token slots, each token's request (``token_request``), the
         requests' page tables padded to ``num_table_rows`` rows (default ``_table_rows``: fixed
@@ -589,7 +588,7 @@ class ModelRunner:
         slots = np.full(num_tokens, -1, np.int32)
         token_request = np.full(num_tokens, -1, np.int32)
         page_tables = np.zeros((num_table_rows, self.pages_per_request), np.int32)
-        rows, sampled = [], []
+        rows = []
         offset = 0
         for index, request in enumerate(requests):
             span = slice(offset, offset + request.num_tokens)
@@ -603,18 +602,15 @@ class ModelRunner:
             offset += request.num_tokens
             if request.sample:
                 rows.append(offset - 1)
-                sampled.append(request)
-        rows_arr = np.zeros(num_requests, np.int32)
-        rows_arr[:len(rows)] = rows
-        inputs = {"token_ids": token_ids, "positions": positions}
+        last_rows = np.zeros(num_rows, np.int32)
+        last_rows[:len(rows)] = rows
+        inputs = {"token_ids": token_ids, "positions": positions, "rows": last_rows}
         fields = {"slot_mapping": slots, "token_request": token_request,
                   "page_tables": page_tables}
         if self.prefill_kernel.backend == PALLAS:
             fields["work"] = prefill_work(token_request, positions, num_rows=num_table_rows,
                                           block_q=self.prefill_kernel.blocks.block_q)
-        attention = Packed.of(fields)
-        head = {"rows": rows_arr}
-        return inputs, attention, head
+        return inputs, Packed.of(fields)
 
     def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
@@ -711,15 +707,10 @@ class ModelRunner:
             ladders.add_resampler(self.resampler, rows)
         for tokens in self.buckets.tokens:
             rung = [("tokens", tokens)]
-            inputs, attention, _ = (abstract(m) for m in self.prefill_arrays([], tokens, 1))
+            inputs, attention = abstract(self.prefill_arrays([], tokens, self.narrow_rows))
             ladders.add(rung, f"prefill T={tokens}",
                         functools.partial(self._encoders.__setitem__, tokens), self.encoder_plan,
                         {**inputs, **caches}, {"attention": attention}, shardings=shardings)
-            head = abstract(self.prefill_arrays([], tokens, self.narrow_rows)[2])
-            hidden = jax.ShapeDtypeStruct((tokens, hidden_size), hidden_dtype)
-            ladders.add(rung, f"narrow T={tokens}",
-                        functools.partial(self._narrowers.__setitem__, tokens), self.narrow_plan,
-                        {"hidden": hidden}, {"narrow": {"rows": head["rows"]}})
         summary = ladders.compile_all(background=start_background)
         logger.info("start-up compile:\n%s", summary.table())
         self.compiled = True
@@ -795,17 +786,16 @@ class ModelRunner:
         ready = self.ready
         tokens = choose_bucket(ready.tokens, num_tokens)
         rows = choose_bucket(ready.prefill_requests, len(requests))
-        inputs, attention, head = self.prefill_arrays(requests, tokens, self.narrow_rows)
+        inputs, attention = self.prefill_arrays(requests, tokens, self.narrow_rows)
         self.counters["prefill_runs"] += 1
         self.counters["real_tokens"] += num_tokens
         self.counters["padded_tokens"] += tokens - num_tokens
         out = self._encoders[tokens].run(
             {**jax.device_put(inputs), **self.kv_caches()}, {"attention": attention})
         self.store_kv_caches(out)
-        narrowed = self._narrowers[tokens].run(
-            {"hidden": out["hidden"]}, {"narrow": {"rows": head["rows"]}})
         sampled_requests = [r for r in requests if r.sample]
-        out = self._decoders[rows].run(narrowed, self._head_meta(sampled_requests, rows))
+        out = self._decoders[rows].run({"rows_hidden": out["rows_hidden"]},
+                                       self._head_meta(sampled_requests, rows))
         return self.resampler.finish(sampled_requests, rows, out["sampled"], out["logits"])
 
     def _head_meta(self, sampled: Sequence[StepRequest], rows: int) -> dict:
@@ -844,17 +834,15 @@ class ModelRunner:
         self.counters["eager_runs"] += 1
         num_tokens = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += num_tokens
-        inputs, attention, head = self.prefill_arrays(
-            requests, num_tokens, len(requests), len(requests))
+        inputs, attention = self.prefill_arrays(requests, num_tokens, len(requests),
+                                                len(requests))
         sampled_requests = [r for r in requests if r.sample]
         num_sampled = len(sampled_requests)
         with self.guard.allowed("eager forward"):
             out = run_eager(self.encoder_plan, {**jax.device_put(inputs), **self.kv_caches()},
                             {"attention": attention})
             self.store_kv_caches(out)
-            rows = {"rows": head["rows"][:num_sampled]}
-            narrowed = run_eager(self.narrow_plan, {"hidden": out["hidden"]}, {"narrow": rows})
-            out = run_eager(self.decoder_plan, narrowed,
+            out = run_eager(self.decoder_plan, {"rows_hidden": out["rows_hidden"]},
                             self._head_meta(sampled_requests, num_sampled))
             return self.resampler.finish(sampled_requests, num_sampled, out["sampled"],
                                          out["logits"], eager=True)
