@@ -14,6 +14,7 @@ from tokenspeed_jax.graph.buckets import (
 from tokenspeed_jax.graph.cache import ExecutableCache
 from tokenspeed_jax.graph.compile import CompileError, CompileSummary, PlanCompiler, abstract
 from tokenspeed_jax.graph.guard import CompileGuard, RuntimeCompileError
+from tokenspeed_jax.graph.pieces import Piece, PlanBuilder
 from tokenspeed_jax.graph.plan import Break, Call, Plan, Segment
 from tokenspeed_jax.graph.runner import CompiledPlan, run_eager, whole_forward
 
@@ -25,7 +26,9 @@ __all__ = [
     "CompileSummary",
     "CompiledPlan",
     "ExecutableCache",
+    "Piece",
     "Plan",
+    "PlanBuilder",
     "PlanCompiler",
     "RuntimeCompileError",
     "Segment",
