@@ -32,8 +32,9 @@ Routes, chosen per step from static configuration and the step's sizes:
   (counted as ``mixed_splits``). On the prefill graph alone, every decode row would cost a
   request slot, and a step with more of them than the largest request bucket one more encoder
   run per bucketful.
-* **Prefill graph** (prefill steps): an *encoder* plan per token bucket: segments
-  ``embed+qkv(0)``, ``out(i)+qkv(i+1)``, ``out(L-1)``, with an ``attention`` break per layer that
+* **Prefill graph** (prefill steps): an *encoder* plan per token bucket, written as pieces
+  (``graph.pieces``) that fuse into the segments ``embed+qkv(0)``, ``out(i)+qkv(i+1)`` and
+  ``out(L-1)+rows``, with an ``attention`` break per layer that
   writes the step's K/V into the paged cache, then lets every token attend to its request's keys
   0..its position through the request's page table (``paged_prefill_attention``: the Pallas
   kernel on a GPU, per KV-head shard under tensor parallelism, chosen once by
@@ -117,9 +118,10 @@ from tokenspeed_jax.graph import (
     CompiledPlan,
     CompileGuard,
     CompileSummary,
+    Piece,
     Plan,
+    PlanBuilder,
     PlanCompiler,
-    Segment,
     abstract,
     choose_bucket,
     run_eager,
@@ -407,20 +409,18 @@ class ModelRunner:
     def _layer(self, state: Any) -> Any:
         return nnx.merge(self.layer_def, state)
 
-    def _embed_qkv(self, params: Any, token_ids: jax.Array, positions: jax.Array) -> tuple:
-        outer, layer = params
-        hidden = self._outer(outer).embed(token_ids)
-        return (hidden, *self._layer(layer).attention_inputs(hidden, positions))
+    def _embed(self, params: Any, token_ids: jax.Array) -> tuple:
+        return (self._outer(params).embed(token_ids),)
 
-    def _out_qkv(self, params: Any, hidden: jax.Array, attn: jax.Array,
-                 positions: jax.Array) -> tuple:
-        this, following = params
-        hidden = self._layer(this).attention_outputs(hidden, attn)
-        return (hidden, *self._layer(following).attention_inputs(hidden, positions))
+    def _qkv(self, params: Any, hidden: jax.Array, positions: jax.Array) -> tuple:
+        return self._layer(params).attention_inputs(hidden, positions)
 
-    def _out(self, params: Any, hidden: jax.Array, attn: jax.Array, rows: jax.Array
-             ) -> jax.Array:
-        return jnp.take(self._layer(params).attention_outputs(hidden, attn), rows, axis=0)
+    def _out(self, params: Any, hidden: jax.Array, attn: jax.Array) -> tuple:
+        return (self._layer(params).attention_outputs(hidden, attn),)
+
+    @staticmethod
+    def _sampled_rows(params: Any, hidden: jax.Array, rows: jax.Array) -> tuple:
+        return (jnp.take(hidden, rows, axis=0),)
 
     def _attention(self, params: Any, packed: Packed, q: jax.Array, k: jax.Array, v: jax.Array,
                    positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array) -> tuple:
@@ -498,39 +498,37 @@ class ModelRunner:
             return self._attention((), packed, q, k, v, positions, k_pages, v_pages)
 
         hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend)
-        return (jnp.take(hidden, rows, axis=0), *caches)
+        return (*self._sampled_rows((), hidden, rows), *caches)
 
-    def _segmented_encoder(self, k_names: list[str], v_names: list[str]) -> list[Call]:
-        """The encoder's calls: segments between layers, an attention break per layer."""
-        first = Segment("embed+qkv", self._embed_qkv, ("token_ids", "positions"),
-                        ("hidden", "q", "k", "v"))
-        middle = Segment("out+qkv", self._out_qkv, ("hidden", "attn", "positions"),
-                         ("hidden", "q", "k", "v"), donate=("hidden", "attn"))
-        last = Segment("out", self._out, ("hidden", "attn", "rows"), ("rows_hidden",),
-                       donate=("hidden",))
-        attention = Break("attention", self._attention,
-                          ("q", "k", "v", "positions", "k_pages", "v_pages"),
-                          ("attn", "k_pages", "v_pages"), donate=("q", "k_pages", "v_pages"))
-        calls = [Call(first, (self.outer_state, self.layer_states[0]))]
-        for i in range(self.num_layers):
-            calls.append(Call(attention, (), {"k_pages": k_names[i], "v_pages": v_names[i]}))
-            if i + 1 < self.num_layers:
-                calls.append(Call(middle, (self.layer_states[i], self.layer_states[i + 1])))
-        calls.append(Call(last, self.layer_states[-1]))
-        return calls
+    def _encoder_pieces(self, k_names: list[str], v_names: list[str]) -> list[Piece]:
+        """The segmented encoder as pieces (``graph.pieces``): the embedding; per layer its
+        attention inputs, the attention break (writing the layer's K/V pages) and its outputs;
+        last the sampled rows' gather. They fuse into the segments ``embed+qkv``, ``out+qkv``
+        (one executable for every layer) and ``out+rows``."""
+        pieces = [Piece(("embed",), self._embed, ("token_ids",), ("hidden",), self.outer_state)]
+        for layer, k_pages, v_pages in zip(self.layer_states, k_names, v_names):
+            pieces += [
+                Piece(("qkv",), self._qkv, ("hidden", "positions"), ("q", "k", "v"), layer),
+                Piece(("attention",), self._attention,
+                      ("q", "k", "v", "positions", k_pages, v_pages),
+                      ("attn", k_pages, v_pages), meta="attention", donate=("q",)),
+                Piece(("out",), self._out, ("hidden", "attn"), ("hidden",), layer,
+                      donate=("attn",))]
+        pieces.append(Piece(("rows",), self._sampled_rows, ("hidden", "rows"), ("rows_hidden",)))
+        return pieces
 
     def _build_plans(self) -> None:
         k_names, v_names = self._cache_names()
         caches = (*k_names, *v_names)
+        encoder_inputs = ("token_ids", "positions", "rows", *caches)
         if self.inline_prefill:
-            encoder = Break("attention", self._inline_encoder,
-                            ("token_ids", "positions", "rows", *caches), ("rows_hidden", *caches),
-                            donate=caches)
-            calls = [Call(encoder, (self.outer_state, tuple(self.layer_states)))]
+            encoder = Break("attention", self._inline_encoder, encoder_inputs,
+                            ("rows_hidden", *caches), donate=caches)
+            self.encoder_plan = Plan([Call(encoder, (self.outer_state, tuple(self.layer_states)))],
+                                     encoder_inputs, ("rows_hidden", *caches))
         else:
-            calls = self._segmented_encoder(k_names, v_names)
-        self.encoder_plan = Plan(calls, ("token_ids", "positions", "rows", *caches),
-                                 ("rows_hidden", *caches))
+            self.encoder_plan = PlanBuilder().plan(self._encoder_pieces(k_names, v_names),
+                                                   encoder_inputs, ("rows_hidden", *caches))
         head = Break("head", self._head, ("rows_hidden",), ("sampled", "logits"))
         self.decoder_plan = Plan([Call(head, self.outer_state)], ("rows_hidden",),
                                  ("sampled", "logits"))
