@@ -50,8 +50,8 @@ class EngineConfig:
     # Show a progress bar during the start-up compile.
     compile_progress: bool = True
     # Executables compiled at once at start-up (a cold cache), and buckets at once by the
-    # background compile. More can shorten a cold start but disturbs XLA's timing of candidate
-    # kernels (its autotuner warns that a delay kernel timed out).
+    # background compile. More shorten a cold start, but on a GPU each autotune then times its
+    # candidate kernels while the others run, and picks slower ones (docs/benchmarks.md).
     compile_threads: int = 1
     # Compile a skeleton of the buckets before serving (token buckets about 4x apart, the
     # smallest and largest request-count buckets) and the others in a background thread; until

@@ -313,10 +313,9 @@ class PlanCompiler:
         description of everything the stage functions read besides their arguments (needed to
         cache bound methods and closures; see ``graph/cache.py``). ``mesh``: compile sharded
         programs over it. ``compiler_options``: XLA options for every executable (module
-        docstring). ``threads``: executables compiled at once. One by default: on a GPU most
-        of a compile is XLA's autotuner timing kernels on the device, which does not overlap,
-        and compiles at once disturb its timings (which can then pick a slower kernel); on a
-        2-core CPU they did not shorten the test suite. ``autotune_cache_dir``: XLA's
+        docstring). ``threads``: executables compiled at once. One by default: on a GPU,
+        compiles at once disturb XLA's autotuner timing kernels on the device, which then
+        picks slower ones; on a 2-core CPU they did not shorten the test suite. ``autotune_cache_dir``: XLA's
         autotune results are kept there (module docstring)."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
