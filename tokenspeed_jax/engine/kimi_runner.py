@@ -81,22 +81,20 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
-from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import PendingStep, StepOutput, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.model_runner import engine_compiler, ladder_compiler
-from tokenspeed_jax.engine.runner_stats import new_counters, runner_stats
+from tokenspeed_jax.engine.runner_stats import new_counters
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
-    run_step,
     sampling_arrays,
     step_output,
 )
+from tokenspeed_jax.engine.step_runner import StepRunner
 from tokenspeed_jax.engine.token_board import (
     board_rows,
-    can_stay_on_board,
-    check_no_token_rows,
     new_board,
     pending_decode,
     read_tokens,
@@ -149,7 +147,7 @@ def checkpoint_split(start_pos: int, num_tokens: int, granularity: int) -> int:
     return max(boundary - start_pos, 0)
 
 
-class KimiRunner:
+class KimiRunner(StepRunner):
     """Runs engine steps of a Kimi-Linear model (or of any model of MLA layers, as DeepSeek-V3)
     over its state pools and latent pages."""
 
@@ -367,7 +365,7 @@ class KimiRunner:
             self._check_slots(request)
             span = slice(offset, offset + request.num_tokens)
             pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
-            table = self._page_table(request)
+            table = self.page_table(request)
             token_ids[span] = request.token_ids
             positions[span] = pos
             slots[span] = table[pos // self.page_size] * self.page_size + pos % self.page_size
@@ -419,15 +417,6 @@ class KimiRunner:
         if request.restore_slot >= self.num_state_slots or request.restore_slot == slot:
             raise ValueError(f"request {request.request_id}: restore_slot={request.restore_slot} "
                              f"must be < {self.num_state_slots} and differ from state_slot={slot}")
-
-    def _page_table(self, request: StepRequest) -> np.ndarray:
-        table = np.asarray(request.page_table, np.int32)
-        needed = math.ceil(request.end_pos / self.page_size)
-        if len(table) < needed or len(table) > self.pages_per_request:
-            raise ValueError(
-                f"request {request.request_id}: page_table has {len(table)} pages; it needs "
-                f">= {needed} and at most {self.pages_per_request}")
-        return table
 
     # ----------------------------------------------------------------- compile
 
@@ -518,11 +507,6 @@ class KimiRunner:
             needed_by.append(("prefill_requests", requests))
         return needed_by
 
-    @property
-    def ready(self) -> Buckets:
-        """The buckets steps choose from, as ``ModelRunner.ready``."""
-        return self.buckets if self.ladders is None else self.ladders.ready
-
     # ----------------------------------------------------------------- serving
 
     def route(self, requests: Sequence[StepRequest]) -> str:
@@ -540,30 +524,11 @@ class KimiRunner:
             return "ordinary"
         return "inline"
 
-    def step(self, batch: StepBatch) -> StepOutput:
-        """Run one step; one sampled token per request with ``sample`` set, in order."""
-        if not batch.requests:
-            raise ValueError("a step needs at least one request")
-        if not self.compiled:
-            raise RuntimeError("call compile_all() before step()")
-        self.ladders.check()
-        return run_step(batch.requests, self._run, counters=self.counters,
-                        split_mixed=bool(self.buckets.decode_requests))
+    def _on_decode_graph(self, requests: Sequence[StepRequest]) -> bool:
+        return self.route(requests) == "decode"
 
-    def launch(self, batch: StepBatch) -> PendingStep:
-        """Start one engine step. A step on the decode route whose requests need only the
-        in-step sampler is left running: its tokens are fetched by ``result()``, and stay on the
-        token board for the next decode step (``StepRequest.token_row``). Any other step runs
-        to its end here."""
-        requests = batch.requests
-        if self.ladders is not None:
-            self.ladders.check()
-        if (requests and self.compiled and self.route(requests) == "decode"
-                and can_stay_on_board(requests)):
-            return pending_decode(self._enqueue("decode", requests)[0]["sampled"],
-                                  len(requests))
-        check_no_token_rows(requests)
-        return PendingStep.done(self.step(batch))
+    def _launch_decode(self, requests: Sequence[StepRequest]) -> PendingStep:
+        return pending_decode(self._enqueue("decode", requests)[0]["sampled"], len(requests))
 
     def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route they take."""
@@ -664,11 +629,6 @@ class KimiRunner:
         """Take the pools a plan returned (the donated inputs are gone)."""
         self.pools = {name: values[name] for name in self.pools}
 
-    def stats(self) -> dict[str, float]:
-        """Runtime compiles, route counts and padding waste since start-up; buckets ready
-        (``runner_stats``)."""
-        return runner_stats(self.counters, resampler=self.resampler, guard=self.guard,
-                            ladders=self.ladders)
 
 
 def _copy_rows(params: Any, src: jax.Array, dst: jax.Array, *pools: jax.Array) -> tuple:

@@ -87,25 +87,23 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
-from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
-from tokenspeed_jax.engine.runner_stats import new_counters, runner_stats
+from tokenspeed_jax.engine.runner_stats import new_counters
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
     fast_sample,
-    run_step,
     sampling_arrays,
     sampling_fields,
     unpack_sampling,
     write_sampling_fields,
 )
+from tokenspeed_jax.engine.step_runner import StepRunner
 from tokenspeed_jax.engine.token_board import (
     board_rows,
-    can_stay_on_board,
-    check_no_token_rows,
     new_board,
     pending_decode,
     read_tokens,
@@ -324,7 +322,7 @@ def unstack_layer_states(stacked: Any, num_layers: int) -> list[Any]:
     return [jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked) for i in range(num_layers)]
 
 
-class ModelRunner:
+class ModelRunner(StepRunner):
     """Runs engine steps of a stage-structured causal LM on a paged KV cache it owns."""
 
     @staticmethod
@@ -591,7 +589,7 @@ class ModelRunner:
         for index, request in enumerate(requests):
             span = slice(offset, offset + request.num_tokens)
             pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
-            table = self._page_table(request)
+            table = self.page_table(request)
             token_ids[span] = request.token_ids
             positions[span] = pos
             slots[span] = self._slots(table, pos)
@@ -613,16 +611,6 @@ class ModelRunner:
     def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def _page_table(self, request: StepRequest) -> np.ndarray:
-        table = np.asarray(request.page_table, np.int32)
-        needed = math.ceil(request.end_pos / self.page_size)
-        if len(table) < needed or len(table) > self.pages_per_request:
-            raise ValueError(
-                f"request {request.request_id}: page_table has {len(table)} pages; it needs "
-                f">= {needed} and at most {self.pages_per_request} (max_model_len="
-                f"{self.config.max_model_len}, page_size={self.page_size})")
-        return table
-
     def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
         """The packed metadata of one decode group padded to ``rows``: one transfer per step,
         written into the padding defaults of ``rows``'s builder."""
@@ -632,7 +620,7 @@ class ModelRunner:
             count = len(requests)
             page_tables = fields["page_tables"]
             for row, request in enumerate(requests):
-                table = self._page_table(request)
+                table = self.page_table(request)
                 page_tables[row, :len(table)] = table
             positions = np.array([r.start_pos for r in requests], np.int32)
             fields["token_ids"][:count] = [r.token_ids[0] for r in requests]
@@ -718,41 +706,16 @@ class ModelRunner:
     def _store_decode(self, rows: int, plan: CompiledPlan) -> None:
         self._decode_turns[rows] = DecodeTurns((plan, *plan.copies), rows)
 
-    @property
-    def ready(self) -> Buckets:
-        """The buckets steps choose from: those whose plans are compiled, the skeleton's and
-        the ones the background compile has added (all of ``buckets`` once it is done); before
-        ``compile_all``, ``buckets`` (the host side of a step is computable without plans)."""
-        return self.buckets if self.ladders is None else self.ladders.ready
-
     # ----------------------------------------------------------------- serving
 
-    def step(self, batch: StepBatch) -> StepOutput:
-        """Run one engine step; one sampled token per request with ``sample`` set, in order."""
-        return self.launch(batch).result()
+    def _on_decode_graph(self, requests: Sequence[StepRequest]) -> bool:
+        return (bool(self.buckets.decode_requests) and StepBatch(list(requests)).is_decode
+                and len(requests) <= self.buckets.decode_requests[-1])
 
-    def launch(self, batch: StepBatch) -> PendingStep:
-        """Start one engine step. A decode step of one executable whose requests need only the
-        in-step sampler is left running: its tokens are fetched by ``result()``, and stay on the
-        token board for the next decode step (``StepRequest.token_row``). Any other step runs
-        to its end here."""
-        if not batch.requests:
-            raise ValueError("a step needs at least one request")
-        graphs = self.buckets.tokens or self.buckets.decode_requests
-        if graphs and not self.compiled:
-            raise RuntimeError("call compile_all() before step()")
-        if self.ladders is not None:
-            self.ladders.check()
-        requests = batch.requests
-        if (self.buckets.decode_requests and batch.is_decode
-                and len(requests) <= self.buckets.decode_requests[-1]
-                and can_stay_on_board(requests)):
-            out, _, slot = self._decode(requests)
-            slot.pending = pending_decode(out["sampled"], len(requests))
-            return slot.pending
-        check_no_token_rows(requests)
-        return PendingStep.done(run_step(requests, self._run, counters=self.counters,
-                                         split_mixed=bool(self.buckets.decode_requests)))
+    def _launch_decode(self, requests: Sequence[StepRequest]) -> PendingStep:
+        out, _, slot = self._decode(list(requests))
+        slot.pending = pending_decode(out["sampled"], len(requests))
+        return slot.pending
 
     def _run(self, requests: list[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route their shape takes."""
@@ -856,8 +819,3 @@ class ModelRunner:
         self.k_pages = [values[n] for n in k_names]
         self.v_pages = [values[n] for n in v_names]
 
-    def stats(self) -> dict[str, float]:
-        """Runtime compiles, route counts and padding waste since start-up; buckets ready
-        (``runner_stats``)."""
-        return runner_stats(self.counters, resampler=self.resampler, guard=self.guard,
-                            ladders=self.ladders)
