@@ -158,7 +158,7 @@ def test_ready_line_counts_the_buckets_left_to_the_background_compile(tmp_path):
                  "--compile-cache-dir", str(tmp_path)) as (
             process, url, ready):
         assert ready.rstrip().endswith(
-            "; 4 of 5 buckets ready, 2 bucket plans load or compile in the background")
+            "; 4 of 5 buckets ready, 1 bucket plan left to load or compile in the background")
         prompt = list(range(5, 25))
         response = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0,

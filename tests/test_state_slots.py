@@ -16,7 +16,9 @@ from tokenspeed_jax.engine.block_manager import BlockManager
 from tokenspeed_jax.engine.request import Request
 from tokenspeed_jax.engine.scheduler import Scheduler
 from tokenspeed_jax.engine.state_slots import StateSlots, prefix_page_hash
-from tokenspeed_jax.models.kimi_linear.family import state_slot_bytes
+from tokenspeed_jax.models.cache_spec import PAGE as PAGE_UNIT
+from tokenspeed_jax.models.cache_spec import SLOT, unit_bytes
+from tokenspeed_jax.models.kimi_linear.family import cache_pools
 from tokenspeed_jax.sampling_params import SamplingParams
 
 VOCAB = 97
@@ -136,8 +138,16 @@ def test_checkpoint_rows_are_reserved_on_chunk_starts_published_after_the_step_a
 
 def test_state_row_bytes_count_the_state_in_its_dtype_and_the_conv_window_in_the_models():
     model = SimpleNamespace(linear_num_heads=2, linear_head_dim=4, conv_kernel_size=4,
-                            kda_layers=(0, 2, 3))
-    state, conv = 2 * 4 * 4, (4 - 1) * 3 * 2 * 4  # values per layer
-    assert state_slot_bytes(model, "bfloat16", "float32") == 3 * (state * 4 + conv * 2)
-    assert state_slot_bytes(model, "bfloat16", "bfloat16") == 3 * (state * 2 + conv * 2)
-    assert state_slot_bytes(model, "float32", "bfloat16") == 3 * (state * 2 + conv * 4)
+                            kda_layers=(0, 2, 3), num_hidden_layers=5, latent_dim=6)
+
+    def row_and_page(dtype: str, state_dtype: str, devices: int = 1) -> tuple[int, int]:
+        pools = cache_pools(model, 16, dtype, state_dtype, devices)
+        return unit_bytes(pools, SLOT, devices), unit_bytes(pools, PAGE_UNIT, devices)
+
+    state, conv = 2 * 4 * 4, (4 - 1) * 3 * 2 * 4  # values per KDA layer
+    latent = 16 * 6  # values per page of each of the two MLA layers
+    assert row_and_page("bfloat16", "float32") == (3 * (state * 4 + conv * 2), 2 * latent * 2)
+    assert row_and_page("bfloat16", "bfloat16") == (3 * (state * 2 + conv * 2), 2 * latent * 2)
+    assert row_and_page("float32", "bfloat16") == (3 * (state * 2 + conv * 4), 2 * latent * 4)
+    # two devices: the state rows split by head, the latent pages replicated
+    assert row_and_page("bfloat16", "float32", 2) == (3 * (state * 2 + conv), 2 * latent * 2)

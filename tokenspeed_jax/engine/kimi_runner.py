@@ -36,8 +36,8 @@ layers has no state pools or restore executable, and its requests need no state 
 is then built like ``ModelRunner``: ``(model, config, num_pages, page_size)``).
 
 Tensor parallelism (``tensor_parallel_size`` > 1): the weights are placed with the family's
-``place_model``, the state and conv pools split by head and the latent pages replicated
-(``kimi_linear.sharding.pool_sharding``); every executable is compiled over the mesh with the
+``place_model``, the pools as the family's ``cache_pools`` declare them (state and conv rows
+split by head, latent pages replicated); every executable is compiled over the mesh with the
 hand-off values' shardings of ``kimi_linear.sharding.plan_value_shardings``, and the pieces run
 the KDA kernels and the routed experts per shard (``shard_map``).
 
@@ -118,6 +118,7 @@ from tokenspeed_jax.graph import (
 from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
+from tokenspeed_jax.models.cache_spec import PAGE, SLOT, pool_specs
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
 from tokenspeed_jax.models.kimi_linear import sharding as kimi_sharding
 from tokenspeed_jax.models.kimi_linear.layers import KdaImpl, KdaMeta, kda_core
@@ -192,20 +193,12 @@ class KimiRunner(StepRunner):
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
-        shapes: dict[str, tuple[tuple[int, ...], Any]] = {}
-        for i, kind in enumerate(self.kinds):
-            if kind == KDA:
-                k, h, width = cfg.linear_head_dim, cfg.linear_num_heads, cfg.conv_kernel_size
-                shapes[f"state.{i}"] = (num_state_slots, h, k, k), config.kda_state_dtype
-                shapes[f"conv.{i}"] = (num_state_slots, width - 1, 3 * h * k), self.dtype
-            else:
-                shapes[f"latent.{i}"] = (num_pages, page_size, cfg.latent_dim), self.dtype
+        pools = family_of(cfg).cache_pools(cfg, page_size, self.dtype, config.kda_state_dtype,
+                                           parallel.mesh_size(self.mesh))
         self.pools: dict[str, jax.Array] = device_arrays.zeros(
             engine_compiler(config, description="allocating the state pools and latent pages",
                             fingerprint=None, mesh=self.mesh),
-            {name: jax.ShapeDtypeStruct(shape, dtype, sharding=None if self.mesh is None
-                                        else kimi_sharding.pool_sharding(name, self.mesh))
-             for name, (shape, dtype) in shapes.items()})
+            pool_specs(pools, {PAGE: num_pages, SLOT: num_state_slots}, self.mesh))
         self.guard = CompileGuard(strict=config.strict_no_compile)
         self._builder = PlanBuilder()
         self._fns: dict[tuple, Callable] = {}

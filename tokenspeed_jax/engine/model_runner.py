@@ -140,6 +140,7 @@ from tokenspeed_jax.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     prefill_work,
 )
+from tokenspeed_jax.models.cache_spec import PAGE, pool_specs
 from tokenspeed_jax.models.llama import sharding as llama_sharding
 from tokenspeed_jax.models.registry import family_of
 
@@ -377,15 +378,13 @@ class ModelRunner(StepRunner):
         self.model_def, layers_state, self.outer_state = nnx.split(
             model, nnx.PathContains("layers"), ...)
         self._layers_placeholder = abstract(layers_state)
-        cfg = model.config
-        cache_shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
-        dtype = getattr(model, "dtype", jnp.float32)
-        kv_sharding = None if self.mesh is None else llama_sharding.kv_cache_sharding(cfg, self.mesh)
-        page_spec = jax.ShapeDtypeStruct(cache_shape, dtype, sharding=kv_sharding)
+        pools = family_of(model.config).cache_pools(
+            model.config, page_size, getattr(model, "dtype", jnp.float32),
+            config.kda_state_dtype, parallel.mesh_size(self.mesh))
         self.store_kv_caches(device_arrays.zeros(
             engine_compiler(config, description="allocating the KV cache", fingerprint=None,
                             mesh=self.mesh),
-            dict.fromkeys([name for names in self._cache_names() for name in names], page_spec)))
+            pool_specs(pools, {PAGE: num_pages}, self.mesh)))
         self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         warn_inapplicable(config, ("disable_kda_prefill_graph",), "Llama-family models", logger)
         self.guard = CompileGuard(strict=config.strict_no_compile)

@@ -28,6 +28,7 @@ from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine import sizing_record
 from tokenspeed_jax.engine.engine import Engine
 from tokenspeed_jax.engine.state_slots import StateSlots
+from tokenspeed_jax.models.cache_spec import PAGE, SLOT, unit_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -174,10 +175,13 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
         loaded = load_model(config.model, dtype=config.dtype, mesh=mesh)
     family = loaded.family
     dtype = getattr(loaded.model, "dtype", "float32")
-    page_bytes = family.kv_page_bytes(loaded.config, config.page_size, dtype)
-    if mesh is not None:  # each device holds its share of every page; free memory is per device
+    devices = parallel.mesh_size(mesh)
+    if mesh is not None:
         family.check_split(loaded.config, mesh.size)
-        page_bytes = -(-page_bytes // family.kv_cache_shards(loaded.config, mesh.size))
+    # each device holds its share of every page and state row; free memory is per device
+    pools = family.cache_pools(loaded.config, config.page_size, dtype, config.kda_state_dtype,
+                               devices)
+    page_bytes = unit_bytes(pools, PAGE, devices)
     state_slots = None
     reserved = 0
     if family.has_recurrent_state:
@@ -188,10 +192,7 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
                 config.prefix_granularity, config.page_size)
             config = dataclasses.replace(config, enable_prefix_caching=False)
         state_slots = hybrid_state_slots(config)
-        # KDA state rows are split by head: each device holds 1/N of every row
-        reserved = -(-state_slots.num_slots
-                     * family.state_slot_bytes(loaded.config, dtype, config.kda_state_dtype)
-                     // parallel.mesh_size(mesh))
+        reserved = state_slots.num_slots * unit_bytes(pools, SLOT, devices)
     runner_class = family.runner_class()
     reserved += runner_class.extra_device_bytes(config, loaded.model)
     num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))

@@ -3,8 +3,8 @@
 A family is a folder under ``models/`` (``llama/``, ``kimi_linear/``) whose ``family.py`` fills
 one ``Family``: the ``model_type`` values it accepts, how its config is built from a checkpoint's
 config.json (and from GGUF metadata where it reads GGUF files), its model class, its checkpoint
-weight map, its tensor-parallel rules, the bytes of its cache pages and state rows, and which
-runner and reference generator serve it. ``models/registry.py`` maps a config to its family;
+weight map, its tensor-parallel rules, its cache pools (``cache_spec``), and which runner and
+reference generator serve it. ``models/registry.py`` maps a config to its family;
 no other module tells families apart.
 
 Invariants:
@@ -35,6 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tokenspeed_jax import parallel
+from tokenspeed_jax.models.cache_spec import CachePool
+from tokenspeed_jax.models.layers import SHAPE_ONLY
 
 if TYPE_CHECKING:
     from tokenspeed_jax.models.gguf_file import GGUFFile
@@ -63,28 +65,22 @@ class Family:
     ignored_tensor: Callable[[str, Any], bool]
     check_split: Callable[[Any, int], None]
     param_spec: Callable[[str, Any, int], PartitionSpec]
-    # (config, page_size, dtype) -> bytes of one cache page over all layers, on one device
-    kv_page_bytes: Callable[[Any, int, Any], int]
-    # (config, tensor_parallel_size) -> how many devices share the cache pages
-    kv_cache_shards: Callable[[Any, int], int]
+    # (config, page_size, dtype, state_dtype, tensor_parallel_size) -> the cache's pools
+    # (``cache_spec``): page and state-row bytes and the runner's arrays all come from them
+    cache_pools: Callable[[Any, int, Any, Any, int], list[CachePool]]
     runner: str
     reference: str
-    # (config, dtype, state_dtype) -> bytes of one recurrent-state row; None: no such state
-    state_slot_bytes: Callable[[Any, Any, Any], int] | None = None
+    # whether each running request also holds a row of recurrent state (``SLOT`` pools)
+    has_recurrent_state: bool = False
     gguf: GGUFReader | None = None
     # (tensor name, config) -> the name ``weight_map`` knows it by, for checkpoints that spell
     # some names their own way (applied before anything else reads them); None: names as they are
     checkpoint_name: Callable[[str, Any], str] | None = None
 
-    @property
-    def has_recurrent_state(self) -> bool:
-        """Whether each running request also holds a row of recurrent state."""
-        return self.state_slot_bytes is not None
-
     def abstract_model(self, config: Any, dtype: Any) -> Any:
         """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
         return nnx.eval_shape(lambda: self.model_class(config, dtype=dtype, param_dtype=dtype,
-                                                       rngs=nnx.Rngs(0)))
+                                                       rngs=SHAPE_ONLY))
 
     def param_sharding(self, path: Any, config: Any, mesh: Mesh) -> NamedSharding:
         """The NamedSharding of the parameter at ``path`` (a loader path or a state path)."""

@@ -22,8 +22,21 @@ def linear(spec: str, x: jax.Array, weight: nnx.Param, dtype: Any, **kwargs: Any
                       **kwargs)
 
 
-def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
-    """A weight drawn from N(0, 0.02^2), the init of the HF checkpoints these models load."""
+class ShapeOnly:
+    """Stands in for ``nnx.Rngs`` where only a model's structure is wanted, under
+    ``nnx.eval_shape`` (``Family.abstract_model``): ``normal_param`` then makes zeros, which
+    ``eval_shape`` never allocates, instead of drawing from an RNG stream, whose counter update
+    costs milliseconds a weight under tracing (most of a second for SmolLM2's 211 weights)."""
+
+
+SHAPE_ONLY = ShapeOnly()
+
+
+def normal_param(rngs: nnx.Rngs | ShapeOnly, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
+    """A weight drawn from N(0, 0.02^2), the init of the HF checkpoints these models load; with
+    ``SHAPE_ONLY``, zeros of that shape (a structure to fill, never a model to run)."""
+    if rngs is SHAPE_ONLY:
+        return nnx.Param(jnp.zeros(shape, dtype))
     return nnx.Param(0.02 * jax.random.normal(rngs.params(), shape, dtype))
 
 

@@ -138,10 +138,10 @@ def serve(config: EngineConfig, *, log_level: str = "warning",
         summary = bundle.compile_summary
         background = ""
         if summary.num_deferred:
-            stats = bundle.runner.stats()
+            stats, plans = bundle.runner.stats(), summary.num_deferred
             background = (f"; {stats['buckets_ready']} of {stats['buckets_total']} buckets "
-                          f"ready, {summary.num_deferred} bucket plans load or compile in the "
-                          f"background")
+                          f"ready, {plans} bucket plan{'s' * (plans != 1)} left to load or "
+                          f"compile in the background")
         print(f"ready: {summary.num_executables} executables in {bundle.seconds:.1f}s "
               f"({summary.describe()}; {bundle.engine.block_manager.num_pages} KV pages of "
               f"{config.page_size} tokens){background}", flush=True)

@@ -15,8 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from tokenspeed_jax.models.cache_spec import PAGE, CachePool
 from tokenspeed_jax.models.deepseek_v3 import sharding
 from tokenspeed_jax.models.deepseek_v3.config import MODEL_TYPES, DeepseekV3Config
 from tokenspeed_jax.models.deepseek_v3.model import DeepseekV3ForCausalLM
@@ -42,9 +41,12 @@ def ignored_tensor(name: str, config: DeepseekV3Config) -> bool:
     return name.endswith("rotary_emb.inv_freq") or is_mtp_tensor(name, config)
 
 
-def kv_page_bytes(config: DeepseekV3Config, page_size: int, dtype: Any) -> int:
-    """Bytes of one page over all layers: one latent row [page_size, latent_dim] each."""
-    return page_size * config.latent_dim * config.num_hidden_layers * np.dtype(dtype).itemsize
+def cache_pools(config: DeepseekV3Config, page_size: int, dtype: Any, state_dtype: Any,
+                devices: int) -> list[CachePool]:
+    """Per layer its latent pages ``[pages, page_size, latent_dim]``, replicated; no state."""
+    del state_dtype, devices
+    return [CachePool(f"latent.{i}", PAGE, (page_size, config.latent_dim), dtype)
+            for i in range(config.num_hidden_layers)]
 
 
 FAMILY = Family(
@@ -57,8 +59,7 @@ FAMILY = Family(
     check_split=sharding.check_split,
     # the same latent attention and MoE modules as Kimi Linear's MLA layers (``sharding``)
     param_spec=latent_sharding.param_spec,
-    kv_page_bytes=kv_page_bytes,
-    kv_cache_shards=latent_sharding.kv_cache_shards,
+    cache_pools=cache_pools,
     runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
 )

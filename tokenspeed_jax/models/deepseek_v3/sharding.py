@@ -7,7 +7,7 @@ attention split by head in its projections (``q_proj``/``q_b_proj``, ``kv_b_proj
 with the low-rank down-projections and norms replicated; the routed experts split over the
 experts with the router replicated; the dense MLP and the shared experts column/row parallel. The
 latent cache ``[pages, page_size, R + r]`` is one head shared by every query head, so it is
-replicated (``kv_cache_shards`` is 1), as the runner's latent pools are. Only the split check is
+replicated (its pools in ``family.cache_pools`` carry no split). Only the split check is
 this family's own, over its config's names.
 
 Invariants: ``check_split`` raises ValueError naming the numbers for a split the config cannot

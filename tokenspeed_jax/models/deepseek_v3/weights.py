@@ -30,6 +30,7 @@ from tokenspeed_jax.models import hf_checkpoint
 from tokenspeed_jax.models.deepseek_v3.config import DeepseekV3Config
 from tokenspeed_jax.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from tokenspeed_jax.models.hf_checkpoint import WeightEntry as Weight
+from tokenspeed_jax.models.layers import SHAPE_ONLY
 from tokenspeed_jax.models.mla import mla_weight_entries
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def is_mtp_tensor(name: str, config: DeepseekV3Config) -> bool:
 def abstract_model(config: DeepseekV3Config, dtype: Any) -> DeepseekV3ForCausalLM:
     """The model's structure with ShapeDtypeStruct leaves; nothing allocated."""
     return nnx.eval_shape(
-        lambda: DeepseekV3ForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+        lambda: DeepseekV3ForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=SHAPE_ONLY))
 
 
 def build_model(config: DeepseekV3Config, tensors: Iterable[tuple[str, np.ndarray]], *,

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from tokenspeed_jax.models.cache_spec import PAGE, SLOT, CachePool
 from tokenspeed_jax.models.family import Family
 from tokenspeed_jax.models.kimi_linear import sharding
 from tokenspeed_jax.models.kimi_linear.model import (
@@ -29,17 +28,24 @@ def ignored_tensor(name: str, config: KimiLinearConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-def kv_page_bytes(config: KimiLinearConfig, page_size: int, dtype: Any) -> int:
-    """Bytes of one page over all MLA layers: one latent row [page_size, latent_dim] each."""
-    return page_size * config.latent_dim * len(config.mla_layers) * np.dtype(dtype).itemsize
-
-
-def state_slot_bytes(config: KimiLinearConfig, dtype: Any, state_dtype: Any) -> int:
-    """Bytes of one KDA state-pool row over all KDA layers: the recurrent state (in
-    ``state_dtype``) and the conv window (in the model's ``dtype``)."""
+def cache_pools(config: KimiLinearConfig, page_size: int, dtype: Any, state_dtype: Any,
+                devices: int) -> list[CachePool]:
+    """In layer order: per MLA layer its latent pages ``[pages, page_size, latent_dim]``
+    (replicated); per KDA layer its recurrent-state rows ``[rows, H, K, K]`` (in
+    ``state_dtype``) and conv-window rows ``[rows, W - 1, 3 H K]``, split by head
+    (``sharding.pool_spec``, whatever the device count)."""
+    del devices
     h, k = config.linear_num_heads, config.linear_head_dim
-    conv = (config.conv_kernel_size - 1) * 3 * h * k * np.dtype(dtype).itemsize
-    return (h * k * k * np.dtype(state_dtype).itemsize + conv) * len(config.kda_layers)
+    pools = []
+    for i in range(config.num_hidden_layers):
+        if i in config.kda_layers:
+            pools += [CachePool(f"state.{i}", SLOT, (h, k, k), state_dtype,
+                                spec=sharding.pool_spec("state")),
+                      CachePool(f"conv.{i}", SLOT, (config.conv_kernel_size - 1, 3 * h * k),
+                                dtype, spec=sharding.pool_spec("conv"))]
+        else:
+            pools.append(CachePool(f"latent.{i}", PAGE, (page_size, config.latent_dim), dtype))
+    return pools
 
 
 FAMILY = Family(
@@ -51,10 +57,9 @@ FAMILY = Family(
     ignored_tensor=ignored_tensor,
     check_split=sharding.check_split,
     param_spec=sharding.param_spec,
-    kv_page_bytes=kv_page_bytes,
-    kv_cache_shards=sharding.kv_cache_shards,
+    cache_pools=cache_pools,
+    has_recurrent_state=True,
     runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
     reference="tokenspeed_jax.hybrid_reference:HybridReferenceGenerator",
-    state_slot_bytes=state_slot_bytes,
     checkpoint_name=checkpoint_name,
 )

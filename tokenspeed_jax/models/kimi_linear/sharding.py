@@ -73,20 +73,19 @@ def param_spec(name: str, config: Any, size: int) -> PartitionSpec:
     return specs[name]
 
 
-def kv_cache_shards(config: Any, size: int) -> int:
-    """The latent cache is replicated: each device holds all of it."""
-    del config, size
-    return 1
-
-
-def pool_sharding(name: str, mesh: Mesh) -> NamedSharding:
-    """Sharding of a runner pool: ``state.i [P, H, V, K]`` by head, ``conv.i [P, W - 1,
+def pool_spec(name: str) -> PartitionSpec:
+    """The split of a runner pool: ``state.i [P, H, V, K]`` by head, ``conv.i [P, W - 1,
     3 H K]`` over its head-major channels, ``latent.j`` replicated (module docstring)."""
     kind = name.split(".")[0]
     specs = {"state": head_spec(4), "conv": head_spec(3, axis=2), "latent": PartitionSpec()}
     if kind not in specs:
         raise ValueError(f"no tensor-parallel rule for Kimi pool {name!r}")
-    return NamedSharding(mesh, specs[kind])
+    return specs[kind]
+
+
+def pool_sharding(name: str, mesh: Mesh) -> NamedSharding:
+    """Sharding of a runner pool on ``mesh`` (``pool_spec``)."""
+    return NamedSharding(mesh, pool_spec(name))
 
 
 def plan_value_shardings(mesh: Mesh, pool_names: Sequence[str]) -> dict[str, NamedSharding]:

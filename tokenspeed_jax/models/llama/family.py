@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from tokenspeed_jax.models.cache_spec import PAGE, CachePool
 from tokenspeed_jax.models.family import Family, GGUFReader
 from tokenspeed_jax.models.llama import gguf, sharding
 from tokenspeed_jax.models.llama.model import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
@@ -24,10 +23,15 @@ def ignored_tensor(name: str, config: LlamaConfig) -> bool:
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def kv_page_bytes(config: LlamaConfig, page_size: int, dtype: Any) -> int:
-    """Bytes of one KV page over all layers: K and V, [page_size, kv_heads, head_dim] each."""
-    per_layer = 2 * page_size * config.num_key_value_heads * config.head_dim
-    return per_layer * config.num_hidden_layers * np.dtype(dtype).itemsize
+def cache_pools(config: LlamaConfig, page_size: int, dtype: Any, state_dtype: Any,
+                devices: int) -> list[CachePool]:
+    """K and V pages per layer, ``[Hkv, pages, page_size, Dh]`` each (all the K pools, then
+    all the V pools), split by KV head over ``devices`` where the heads divide."""
+    del state_dtype  # no recurrent state
+    unit = (config.num_key_value_heads, page_size, config.head_dim)
+    spec = sharding.kv_cache_spec(config, devices)
+    return [CachePool(f"{kind}_pages.{i}", PAGE, unit, dtype, count_axis=1, spec=spec)
+            for kind in ("k", "v") for i in range(config.num_hidden_layers)]
 
 
 FAMILY = Family(
@@ -39,8 +43,7 @@ FAMILY = Family(
     ignored_tensor=ignored_tensor,
     check_split=sharding.check_split,
     param_spec=sharding.param_spec,
-    kv_page_bytes=kv_page_bytes,
-    kv_cache_shards=sharding.kv_cache_shards,
+    cache_pools=cache_pools,
     runner="tokenspeed_jax.engine.model_runner:ModelRunner",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
     gguf=GGUFReader(config=gguf.config_from_gguf, tensors=gguf.iter_gguf_tensors),

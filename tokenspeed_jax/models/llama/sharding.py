@@ -73,16 +73,16 @@ def param_spec(name: str, config: Any, size: int) -> PartitionSpec:
     return specs[name]
 
 
+def kv_cache_spec(config: Any, size: int) -> PartitionSpec:
+    """The split of one layer's ``[Hkv, num_pages, page_size, Dh]`` K or V pages over ``size``
+    devices: by KV head where the heads divide, else replicated."""
+    return PartitionSpec(AXIS, None, None, None) if kv_heads_sharded(config, size) else (
+        PartitionSpec())
+
+
 def kv_cache_sharding(config: Any, mesh: Mesh) -> NamedSharding:
-    """Sharding of one layer's ``[Hkv, num_pages, page_size, Dh]`` K or V pages."""
-    if kv_heads_sharded(config, mesh.size):
-        return NamedSharding(mesh, PartitionSpec(AXIS, None, None, None))
-    return replicated(mesh)
-
-
-def kv_cache_shards(config: Any, size: int) -> int:
-    """How many devices the KV cache is split over: each device holds 1/this of it."""
-    return size if kv_heads_sharded(config, size) else 1
+    """Sharding of one layer's K or V pages (``kv_cache_spec``)."""
+    return NamedSharding(mesh, kv_cache_spec(config, mesh.size))
 
 
 def attention_value_shardings(config: Any, mesh: Mesh) -> dict[str, NamedSharding]:
