@@ -23,7 +23,7 @@ from jax.experimental import serialize_executable
 
 from tokenspeed_jax import cache as cache_cli
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine.model_runner import engine_compiler
+from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.graph import Call, ExecutableCache, Plan, PlanCompiler, Segment
 from tokenspeed_jax.graph.cache import MAGIC, SUFFIX, decode
 from tokenspeed_jax.graph.trust import KEY_BYTES, CacheTrustError, default_key_file, load_mac_key

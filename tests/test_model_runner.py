@@ -22,7 +22,7 @@ import tokenizers
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine import model_runner
+from tokenspeed_jax.engine import compilers, model_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.decode_turns import DecodeTurns
 from tokenspeed_jax.engine.model_runner import ModelRunner, runner_settings, split_requests
@@ -920,7 +920,7 @@ def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
 
 
 def test_quick_skeleton_is_auto_on_a_gpu_with_background_compile():
-    rule = model_runner.uses_quick_skeleton
+    rule = compilers.uses_quick_skeleton
     assert rule(EngineConfig(), "gpu")
     assert not rule(EngineConfig(), "cpu")
     assert not rule(EngineConfig(background_compile=False), "gpu")

@@ -83,8 +83,8 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepOutput, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
+from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.model_runner import engine_compiler, ladder_compiler
 from tokenspeed_jax.engine.runner_stats import new_counters
 from tokenspeed_jax.engine.sampling_plans import (
     Resampler,
@@ -106,7 +106,6 @@ from tokenspeed_jax.graph import (
     Call,
     CompiledPlan,
     CompileGuard,
-    CompileSummary,
     Piece,
     Plan,
     PlanBuilder,
@@ -151,6 +150,8 @@ def checkpoint_split(start_pos: int, num_tokens: int, granularity: int) -> int:
 class KimiRunner(StepRunner):
     """Runs engine steps of a Kimi-Linear model (or of any model of MLA layers, as DeepSeek-V3)
     over its state pools and latent pages."""
+
+    COMPILE_DESCRIPTION = "compiling Kimi executables"
 
     @staticmethod
     def extra_device_bytes(config: EngineConfig, model: Any) -> int:
@@ -422,13 +423,9 @@ class KimiRunner(StepRunner):
                           f"scale={self.scale!r}", f"flax={flax.__version__}",
                           classes_fingerprint(classes, skip_modules=("flax",))])
 
-    def compile_all(self, *, start_background: bool = True) -> CompileSummary:
-        """Compile (or load from the executable cache) every executable a step can reach; fatal
-        on failure; then arm the guard. With background compile, only the skeleton's, and the
-        others later, as ``ModelRunner.compile_all`` does."""
-        ladders = self.ladders = ladder_compiler(
-            self.config, self.buckets, description="compiling Kimi executables",
-            fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+    def _add_plans(self, ladders: LadderCompiler) -> None:
+        """Every bucket plan: per decode executable the decode step, its board head and
+        resamplers; the restore; per prefill shape its routes' plans, head and resamplers."""
         shardings = {} if self.mesh is None else kimi_sharding.plan_value_shardings(
             self.mesh, list(self.pools))
         pools = abstract(self.pools)
@@ -468,11 +465,6 @@ class KimiRunner(StepRunner):
                         self._store(("head", tokens, requests)), self.head_plan,
                         {"hidden": hidden}, {"sample": head})
             ladders.add_resampler(self.resampler, requests)
-        summary = ladders.compile_all(background=start_background)
-        logger.info("start-up compile:\n%s", summary.table())
-        self.compiled = True
-        self.guard.arm()
-        return summary
 
     def _store(self, key: tuple[str, int, int]) -> Callable[[CompiledPlan], None]:
         return functools.partial(self._compiled.__setitem__, key)

@@ -75,7 +75,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +88,7 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
+from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
@@ -115,7 +115,6 @@ from tokenspeed_jax.graph import (
     Call,
     CompiledPlan,
     CompileGuard,
-    CompileSummary,
     Piece,
     Plan,
     PlanBuilder,
@@ -125,8 +124,7 @@ from tokenspeed_jax.graph import (
     run_eager,
 )
 from tokenspeed_jax.graph import arrays as device_arrays
-from tokenspeed_jax.graph.cache import ExecutableCache, classes_fingerprint
-from tokenspeed_jax.graph.trust import CacheTrustError, load_mac_key
+from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.attention import write_kv
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
@@ -183,60 +181,6 @@ def split_requests(
 SMALL_MODEL_MAX_BYTES = 2 * 2**30  # layer weights up to this: a small model (auto settings)
 # Decode buckets up to this many rows take stacked weights (``stack_decode_weights``).
 STACKED_DECODE_MAX_ROWS = 8
-
-
-# The quick skeleton's XLA option: no autotuning (its kernels are chosen by heuristics), so
-# compiles are short and do not time kernels on the device, and may run side by side.
-NO_AUTOTUNE = {"xla_gpu_autotune_level": "0"}
-QUICK_COMPILE_THREADS = min(8, os.cpu_count() or 1)
-
-
-def engine_compiler(config: EngineConfig, *, description: str, fingerprint: str | None,
-                    mesh: Any, quick: bool = False) -> PlanCompiler:
-    """The ``PlanCompiler`` of a runner built from ``config``: its progress bar, executable
-    cache, XLA options and threads; on a GPU, XLA's autotune results kept beside the cache.
-    ``quick``: the quick skeleton's compiler (``engine/ladders.py``): no autotuning, at least
-    ``QUICK_COMPILE_THREADS`` threads. A cache directory or key file that cannot be trusted
-    (``graph/trust.py``) is fatal: ``CacheTrustError`` naming the flags that choose others."""
-    cache_dir, cache = config.compile_cache_path, None
-    if cache_dir:
-        try:
-            cache = ExecutableCache(cache_dir, load_mac_key(config.compile_cache_key_file))
-        except CacheTrustError as error:
-            raise CacheTrustError(f"{error} (--compile-cache-dir, --compile-cache-key-file; "
-                                  f"--no-compile-cache turns the cache off)") from None
-    options, threads = config.compiler_options, config.compile_threads
-    if quick:
-        options, threads = {**options, **NO_AUTOTUNE}, max(threads, QUICK_COMPILE_THREADS)
-    autotune_dir = (cache.autotune_directory()
-                    if cache is not None and jax.default_backend() == "gpu" and not quick
-                    else None)
-    return PlanCompiler(progress=config.compile_progress, description=description,
-                        cache=cache, fingerprint=fingerprint, mesh=mesh, compiler_options=options,
-                        threads=threads, autotune_cache_dir=autotune_dir)
-
-
-def uses_quick_skeleton(config: EngineConfig, platform: str | None = None) -> bool:
-    """Whether the skeleton is compiled quick and autotuned in the background: an explicit
-    ``quick_skeleton``, else on a GPU with ``background_compile`` (on a CPU nothing is
-    autotuned, so there is nothing to gain)."""
-    if config.quick_skeleton is not None:
-        return config.quick_skeleton and config.background_compile
-    return config.background_compile and (platform or jax.default_backend()) == "gpu"
-
-
-def ladder_compiler(config: EngineConfig, buckets: Buckets, *, description: str,
-                    fingerprint: str, mesh: Any) -> LadderCompiler:
-    """The ``LadderCompiler`` of a runner's ``buckets``: the skeleton before serving with
-    ``background_compile`` (quick with ``uses_quick_skeleton``), else every bucket."""
-    compiler = engine_compiler(config, description=description, fingerprint=fingerprint,
-                               mesh=mesh)
-    if not config.background_compile:
-        return LadderCompiler(compiler, buckets, buckets)
-    quick = (engine_compiler(config, description=f"{description} (quick skeleton)",
-                             fingerprint=fingerprint, mesh=mesh, quick=True)
-             if uses_quick_skeleton(config) else None)
-    return LadderCompiler(compiler, buckets, buckets.skeleton(), quick=quick)
 
 
 def layer_weight_bytes(layer_states: Sequence[Any]) -> int:
@@ -660,15 +604,9 @@ class ModelRunner(StepRunner):
                           f"flax={flax.__version__}",
                           classes_fingerprint(classes, skip_modules=("flax",))])
 
-    def compile_all(self, *, start_background: bool = True) -> CompileSummary:
-        """Compile every executable a request can reach, fatal on failure, then arm the guard.
-        With ``background_compile`` only the skeleton's (``Buckets.skeleton``) are compiled
-        here and a thread compiles the others, each bucket ready for the next step once its
-        plans are (``engine/ladders.py``); without ``start_background``,
-        ``ladders.compile_deferred`` compiles them when called."""
-        ladders = self.ladders = ladder_compiler(
-            self.config, self.buckets, description="compiling executables",
-            fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+    def _add_plans(self, ladders: LadderCompiler) -> None:
+        """Every bucket plan: the decode step and its resamplers per decode executable, the
+        head and its resamplers per request bucket, the encoder per token bucket."""
         caches = self._cache_specs()
         shardings = {} if self.mesh is None else llama_sharding.plan_value_shardings(
             self.model_config, self.mesh, list(caches))
@@ -696,11 +634,6 @@ class ModelRunner(StepRunner):
             ladders.add(rung, f"prefill T={tokens}",
                         functools.partial(self._encoders.__setitem__, tokens), self.encoder_plan,
                         {**inputs, **caches}, {"attention": attention}, shardings=shardings)
-        summary = ladders.compile_all(background=start_background)
-        logger.info("start-up compile:\n%s", summary.table())
-        self.compiled = True
-        self.guard.arm()
-        return summary
 
     def _store_decode(self, rows: int, plan: CompiledPlan) -> None:
         self._decode_turns[rows] = DecodeTurns((plan, *plan.copies), rows)

@@ -7,9 +7,12 @@ A family's runner subclasses ``StepRunner`` and supplies the routes:
 * ``_launch_decode(requests)``: enqueue such a step, its tokens left on the token board, and
   return its ``PendingStep``;
 * ``_run(requests)``: the packed sampled rows of any step, on the route its shape takes (with
-  mixed steps already split by ``run_step``).
+  mixed steps already split by ``run_step``);
+* ``_add_plans(ladders)``: register every bucket plan with the ``LadderCompiler``, rung by rung
+  (deferred plans compile in that order), and ``cache_fingerprint()``: what its stage functions
+  read besides their arguments, for the executable cache key.
 
-and sets, in its constructor, the attributes read here: ``config``, ``buckets``,
+and sets, in its constructor, the attributes read here: ``config``, ``buckets``, ``mesh``,
 ``page_size``, ``pages_per_request``, ``counters``, ``resampler``, ``guard``, ``ladders``
 (None until ``compile_all``) and ``compiled``.
 
@@ -28,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from collections.abc import Sequence
 
@@ -35,14 +39,37 @@ import numpy as np
 
 from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
+from tokenspeed_jax.engine.compilers import ladder_compiler
+from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.runner_stats import runner_stats
 from tokenspeed_jax.engine.sampling_plans import run_step
 from tokenspeed_jax.engine.token_board import can_stay_on_board, check_no_token_rows
+from tokenspeed_jax.graph import CompileSummary
+
+logger = logging.getLogger(__name__)
 
 
 class StepRunner(abc.ABC):
     """The host side of a model runner that does not depend on the model family (module
     docstring); subclasses supply the routes."""
+
+    COMPILE_DESCRIPTION = "compiling executables"  # the start-up compile's progress bar
+
+    def compile_all(self, *, start_background: bool = True) -> CompileSummary:
+        """Compile (or load from the executable cache) every executable a step can reach, fatal
+        on failure, then arm the guard. With ``background_compile`` only the skeleton's
+        (``Buckets.skeleton``) are compiled here and a thread compiles the others, each bucket
+        ready for the next step once its plans are (``engine/ladders.py``); without
+        ``start_background``, ``ladders.compile_deferred`` compiles them when called."""
+        ladders = self.ladders = ladder_compiler(
+            self.config, self.buckets, description=self.COMPILE_DESCRIPTION,
+            fingerprint=self.cache_fingerprint(), mesh=self.mesh)
+        self._add_plans(ladders)
+        summary = ladders.compile_all(background=start_background)
+        logger.info("start-up compile:\n%s", summary.table())
+        self.compiled = True
+        self.guard.arm()
+        return summary
 
     @property
     def ready(self) -> Buckets:
@@ -92,6 +119,12 @@ class StepRunner(abc.ABC):
                             ladders=self.ladders)
 
     # ----------------------------------------------------------------- the family's routes
+
+    @abc.abstractmethod
+    def cache_fingerprint(self) -> str: ...
+
+    @abc.abstractmethod
+    def _add_plans(self, ladders: LadderCompiler) -> None: ...
 
     @abc.abstractmethod
     def _on_decode_graph(self, requests: Sequence[StepRequest]) -> bool: ...
