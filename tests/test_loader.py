@@ -309,3 +309,14 @@ def test_unknown_dtype_is_rejected():
     with pytest.raises(ValueError, match="float16"):
         load_checkpoint(GOLDEN / "tiny_llama", dtype="float16")
 
+
+
+def test_an_hf_start_does_not_import_orbax():
+    """orbax is imported by the first orbax save or restore only: loading an HF checkpoint in a
+    fresh process leaves it out of ``sys.modules`` (a start pays for no unused import)."""
+    script = ("import sys; from tokenspeed_jax.models.loader import load_model; "
+              f"load_model({str(GOLDEN / 'tiny_llama')!r}, dtype='float32'); "
+              "print(sorted(m for m in sys.modules if m.startswith('orbax')))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert done.stdout.strip() == "[]"

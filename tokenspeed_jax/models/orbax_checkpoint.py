@@ -15,6 +15,8 @@ Invariants:
   straight into place.
 * The saved tree must match the model's tree exactly (same paths and shapes); otherwise the
   restore fails with a ValueError naming the directory.
+* orbax is imported by the first save or restore: a start from an HF directory or a GGUF file
+  never pays for its import.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 STATE_DIR = "nnx_state"
@@ -44,6 +45,8 @@ def save_orbax(model: Any, dst: str | os.PathLike) -> None:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "config.json", "w", encoding="utf-8") as f:
         json.dump(model.config.to_hf(), f, indent=2)
+    import orbax.checkpoint as ocp
+
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((root / STATE_DIR).absolute(), nnx.state(model))
     checkpointer.wait_until_finished()
@@ -53,6 +56,8 @@ def restore_orbax(model_abstract: Any, src: str | os.PathLike,
                   shardings: Callable[[Any], Any] | None = None) -> Any:
     """Fill an abstract model (from ``nnx.eval_shape``) with the state saved under ``src``;
     ``shardings``: abstract state -> a tree like it of the shardings to restore into."""
+    import orbax.checkpoint as ocp
+
     graphdef, abstract_state = nnx.split(model_abstract)
     if shardings is not None:
         abstract_state = jax.tree_util.tree_map(
