@@ -81,7 +81,7 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
-from tokenspeed_jax.engine.batch import PendingStep, StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.engine.ladders import LadderCompiler
@@ -509,10 +509,10 @@ class KimiRunner(StepRunner):
             return "ordinary"
         return "inline"
 
-    def _on_decode_graph(self, requests: Sequence[StepRequest]) -> bool:
-        return self.route(requests) == "decode"
+    def _on_decode_graph(self, batch: StepBatch) -> bool:
+        return self.route(batch.requests) == "decode"
 
-    def _launch_decode(self, requests: Sequence[StepRequest]) -> PendingStep:
+    def _launch_decode(self, requests: list[StepRequest]) -> PendingStep:
         return pending_decode(self._enqueue("decode", requests)[0]["sampled"], len(requests))
 
     def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]:

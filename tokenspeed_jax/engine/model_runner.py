@@ -640,12 +640,12 @@ class ModelRunner(StepRunner):
 
     # ----------------------------------------------------------------- serving
 
-    def _on_decode_graph(self, requests: Sequence[StepRequest]) -> bool:
-        return (bool(self.buckets.decode_requests) and StepBatch(list(requests)).is_decode
-                and len(requests) <= self.buckets.decode_requests[-1])
+    def _on_decode_graph(self, batch: StepBatch) -> bool:
+        return (bool(self.buckets.decode_requests) and batch.is_decode
+                and len(batch.requests) <= self.buckets.decode_requests[-1])
 
-    def _launch_decode(self, requests: Sequence[StepRequest]) -> PendingStep:
-        out, _, slot = self._decode(list(requests))
+    def _launch_decode(self, requests: list[StepRequest]) -> PendingStep:
+        out, _, slot = self._decode(requests)
         slot.pending = pending_decode(out["sampled"], len(requests))
         return slot.pending
 

@@ -3,7 +3,7 @@ around the token board, and one counter vocabulary (``runner_stats``).
 
 A family's runner subclasses ``StepRunner`` and supplies the routes:
 
-* ``_on_decode_graph(requests)``: whether the step runs on a compiled decode executable;
+* ``_on_decode_graph(batch)``: whether the step runs on a compiled decode executable;
 * ``_launch_decode(requests)``: enqueue such a step, its tokens left on the token board, and
   return its ``PendingStep``;
 * ``_run(requests)``: the packed sampled rows of any step, on the route its shape takes (with
@@ -106,7 +106,7 @@ class StepRunner(abc.ABC):
             raise RuntimeError("call compile_all() before step()")
         if self.ladders is not None:
             self.ladders.check()
-        if self._on_decode_graph(requests) and can_stay_on_board(requests):
+        if self._on_decode_graph(batch) and can_stay_on_board(requests):
             return self._launch_decode(requests)
         check_no_token_rows(requests)
         return PendingStep.done(run_step(requests, self._run, counters=self.counters,
@@ -127,10 +127,10 @@ class StepRunner(abc.ABC):
     def _add_plans(self, ladders: LadderCompiler) -> None: ...
 
     @abc.abstractmethod
-    def _on_decode_graph(self, requests: Sequence[StepRequest]) -> bool: ...
+    def _on_decode_graph(self, batch: StepBatch) -> bool: ...
 
     @abc.abstractmethod
-    def _launch_decode(self, requests: Sequence[StepRequest]) -> PendingStep: ...
+    def _launch_decode(self, requests: list[StepRequest]) -> PendingStep: ...
 
     @abc.abstractmethod
     def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]: ...
