@@ -919,6 +919,49 @@ def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
         warm.guard.disarm()
 
 
+def test_prefill_and_sampler_plans_compile_untuned_beside_the_autotuned_ones(model, tmp_path):
+    """With ``prefill_autotune`` off (a GPU's default) the encoders and the full sampler's plans
+    are the quick compiler's (no autotuning: the option is in its cache key, and several
+    threads), the decode steps and heads the autotuned one's; each compiles its skeleton before
+    serving and the rest on a background thread of its own. Steps give the reference forward's
+    tokens while both threads run and once the ladder is complete, with no compile on their
+    path; a warm start on the same cache compiles nothing."""
+    config = dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path), prefill_autotune=False)
+    runner = ModelRunner(model, config, 64, PAGE)
+    runner.compile_all()
+    try:
+        ladders = runner.ladders
+        untuned, tuned = set(ladders.quick.labels), set(ladders.compiler.labels)
+        assert ladders.quick.compiler_options == compilers.NO_AUTOTUNE
+        assert ladders.quick.threads == max(1, compilers.QUICK_COMPILE_THREADS)
+        assert {label for label in untuned if "resample" not in label} == {
+            "prefill T=16", "prefill T=32", "prefill T=64"}
+        assert tuned == {f"decode B={rows}" for rows in (2, 4, 8)} | {
+            f"head B={rows}" for rows in (1, 2, 4)}
+        _, first = generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)
+        assert ladders.wait(timeout=300) and runner.ready == runner.buckets
+        assert generate(model, runner, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
+        assert runner.stats()["runtime_compiles"] == 0
+    finally:
+        runner.guard.disarm()
+    warm = ModelRunner(model, config, 64, PAGE)
+    summary = warm.compile_all(start_background=False)
+    try:
+        assert summary.num_compiled == 0 and summary.num_loaded == summary.num_executables
+        assert warm.ready == warm.buckets
+        assert generate(model, warm, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
+    finally:
+        warm.guard.disarm()
+
+
+def test_prefill_plans_are_autotuned_only_where_asked_or_on_a_cpu():
+    rule = compilers.autotunes_prefill
+    assert not rule(EngineConfig(), "gpu")
+    assert rule(EngineConfig(), "cpu")
+    assert rule(EngineConfig(prefill_autotune=True), "gpu")
+    assert not rule(EngineConfig(prefill_autotune=False), "cpu")
+
+
 def test_quick_skeleton_is_auto_on_a_gpu_with_background_compile():
     rule = compilers.uses_quick_skeleton
     assert rule(EngineConfig(), "gpu")

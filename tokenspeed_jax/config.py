@@ -65,6 +65,11 @@ class EngineConfig:
     # each autotuned executable replacing its quick one as it lands (steps run slower until
     # then, the same results). None = auto: on a GPU (the CPU compiler does not autotune).
     quick_skeleton: bool | None = None
+    # Autotune the prefill executables (and the full sampler's). None = auto: not on a GPU,
+    # where they compile without XLA's autotuning on several threads at once, in parallel with
+    # the autotuned decode executables, and run as fast (their products are large, where XLA's
+    # heuristics pick the kernel autotuning would); the CPU compiler does not autotune.
+    prefill_autotune: bool | None = None
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
     # dtype of the KDA layers' recurrent state rows (hybrid models): "float32", or "bfloat16" for

@@ -4,7 +4,9 @@ start-up arrays and plans (progress bar, executable cache, XLA options, threads)
 
 Invariants: every compiler of one config shares its executable cache and options; on a GPU the
 autotuned compilers keep XLA's autotune results beside the cache; a quick compiler (the quick
-skeleton's) never autotunes; a cache directory or key file that cannot be trusted is fatal.
+skeleton's, and the one of plans that are not autotuned: ``autotunes_prefill``) never autotunes
+and runs several compiles at once (nothing it compiles times kernels on the device); a cache
+directory or key file that cannot be trusted is fatal.
 """
 
 from __future__ import annotations
@@ -61,15 +63,30 @@ def uses_quick_skeleton(config: EngineConfig, platform: str | None = None) -> bo
     return config.background_compile and (platform or jax.default_backend()) == "gpu"
 
 
+def autotunes_prefill(config: EngineConfig, platform: str | None = None) -> bool:
+    """Whether the prefill and full-sampler plans compile with XLA's autotuning, like the
+    others: an explicit ``prefill_autotune``, else not on a GPU (they run as fast untuned, and
+    then compile side by side); on a CPU, where nothing is autotuned, they stay with the
+    others."""
+    if config.prefill_autotune is not None:
+        return config.prefill_autotune
+    return (platform or jax.default_backend()) != "gpu"
+
+
 def ladder_compiler(config: EngineConfig, buckets: Buckets, *, description: str,
                     fingerprint: str, mesh: Any) -> LadderCompiler:
     """The ``LadderCompiler`` of a runner's ``buckets``: the skeleton before serving with
-    ``background_compile`` (quick with ``uses_quick_skeleton``), else every bucket."""
+    ``background_compile`` (quick with ``uses_quick_skeleton``), else every bucket; a quick
+    compiler for the quick skeleton and, unless ``autotunes_prefill``, the plans added with
+    ``autotune=False``."""
     compiler = engine_compiler(config, description=description, fingerprint=fingerprint,
                                mesh=mesh)
-    if not config.background_compile:
-        return LadderCompiler(compiler, buckets, buckets)
-    quick = (engine_compiler(config, description=f"{description} (quick skeleton)",
-                             fingerprint=fingerprint, mesh=mesh, quick=True)
-             if uses_quick_skeleton(config) else None)
-    return LadderCompiler(compiler, buckets, buckets.skeleton(), quick=quick)
+    quick_skeleton = uses_quick_skeleton(config)
+    quick = None
+    if quick_skeleton or not autotunes_prefill(config):
+        quick = engine_compiler(config, description=f"{description} (not autotuned)",
+                                fingerprint=fingerprint, mesh=mesh, quick=True)
+    skeleton = buckets.skeleton() if config.background_compile else buckets
+    return LadderCompiler(compiler, buckets, skeleton, quick=quick,
+                          quick_skeleton=quick_skeleton,
+                          untuned_plans=not autotunes_prefill(config))

@@ -459,7 +459,7 @@ class KimiRunner(StepRunner):
                 ladders.add(needed_by, f"{route} T={tokens} N={requests}",
                             self._store((route, tokens, requests)), self.plans[route],
                             {**inputs, **pools}, {"attention": attention, "kda": {}},
-                            shardings=shardings)
+                            shardings=shardings, autotune=False)
             hidden = jax.ShapeDtypeStruct((tokens, hidden_size), self.dtype)
             ladders.add(needed_by, f"head T={tokens} N={requests}",
                         self._store(("head", tokens, requests)), self.head_plan,

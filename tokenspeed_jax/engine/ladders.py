@@ -6,8 +6,8 @@ A runner registers each bucket plan with a ``LadderCompiler``, naming the *rungs
 store the compiled plan in its tables. Plans that a rung of the skeleton (``Buckets.skeleton``)
 needs are compiled (or loaded) at start-up; the others are deferred
 (``PlanCompiler.add(deferred=True)``). With background compile on, ``compile_all`` then starts a
-daemon thread that loads the deferred plans the executable cache holds whole, then compiles the
-others, as many buckets at a time as its compiler has threads
+daemon thread per compiler that loads the deferred plans the executable cache holds whole, then
+compiles the others, as many buckets at a time as its compiler has threads
 (``PlanCompiler.compile_deferred``): a warm start is ready once the skeleton is loaded.
 ``ready`` is the ``Buckets`` of the rungs whose plans are all stored; runners choose buckets from
 it, so a request never waits on a compile or causes one: it takes the smallest ready bucket that
@@ -17,8 +17,9 @@ Invariants:
 
 * ``ready`` only grows, and every rung in it has every plan it needs in the runner's tables: a
   plan is stored before ``ready`` is replaced, by one assignment of a new frozen ``Buckets``, so
-  the engine thread reads a consistent snapshot with no lock. The background thread only adds
-  entries to the runner's tables; the engine thread only reads them.
+  the engine thread reads a consistent snapshot with no lock. The background threads only add
+  entries to the runner's tables, one thread at a time (a lock); the engine thread only reads
+  them.
 * Each skeleton ladder keeps its full ladder's largest rung, so ``ready`` fits every size the
   full ladders fit and the routes and splits do not change, only the padding.
 * Background compiles are start-up work (``graph.guard.startup`` on that thread): they never
@@ -36,6 +37,11 @@ Invariants:
   plans still serving. Quick executables are cached under their own key, so a restart before
   the autotuned ones landed loads them; once every autotuned plan of the skeleton is in the
   cache, a start loads those and compiles nothing quick.
+* **Plans that are not autotuned** (``add(..., autotune=False)``, with ``untuned_plans``): the
+  prefill and full-sampler plans, which run as fast without XLA's autotuning, compile on the
+  quick compiler (several at once) at start-up for the skeleton and in a background thread of
+  their own for the rest, beside the thread of the autotuned plans (one at a time, so the
+  autotuner times kernels alone). They are final: never replaced, never counted untuned.
 * At interpreter exit, a background compile still running is stopped after its current bucket
   (an ``atexit`` hook), so no XLA compile is cut off by the interpreter's shutdown; once the main
   thread has ended, the thread pools refuse new work, which ends the background compile quietly,
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -82,11 +89,17 @@ class LadderCompiler:
     the background (module docstring)."""
 
     def __init__(self, compiler: PlanCompiler, full: Buckets, skeleton: Buckets, *,
-                 quick: PlanCompiler | None = None) -> None:
-        """``quick``: the compiler of the quick skeleton (module docstring); None = the
-        skeleton's plans are compiled by ``compiler`` before serving."""
+                 quick: PlanCompiler | None = None, quick_skeleton: bool = False,
+                 untuned_plans: bool = False) -> None:
+        """``quick``: a compiler without autotuning, of the quick skeleton when
+        ``quick_skeleton`` and of the plans added with ``autotune=False`` when
+        ``untuned_plans`` (module docstring); otherwise every plan is ``compiler``'s."""
+        if (quick_skeleton or untuned_plans) and quick is None:
+            raise ValueError("a quick skeleton or untuned plans need a quick compiler")
         self.compiler = compiler
         self.quick = quick
+        self._quick_skeleton = quick_skeleton
+        self._untuned_plans = untuned_plans
         self._quick_plans: dict[str, tuple[Plan, Mapping[str, Any], Any, dict]] = {}
         self._untuned: set[str] = set()
         self.full = full
@@ -103,28 +116,34 @@ class LadderCompiler:
         self.ready = dataclasses.replace(full, **{f.name: () for f in dataclasses.fields(full)})
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._live_threads = 0
+        self._adopting = threading.Lock()
 
     # ----------------------------------------------------------------- registration
 
     def add(self, needed_by: Iterable[Rung], label: str, store: Callable[[CompiledPlan], None],
             plan: Plan, input_specs: Mapping[str, Any], meta_specs: Mapping[str, Any] | None = None,
-            *, quick_plan: Plan | None = None, **options: Any) -> None:
+            *, quick_plan: Plan | None = None, autotune: bool = True, **options: Any) -> None:
         """Add the bucket plan ``label`` that each rung of ``needed_by`` needs; ``store`` puts
         its compiled plan in the runner's tables. Deferred unless a skeleton rung needs it.
         ``quick_plan``: the plan the quick skeleton compiles instead of ``plan`` (the same
-        inputs, outputs and results; cheaper to compile). ``options``: further
-        ``PlanCompiler.add`` arguments."""
+        inputs, outputs and results; cheaper to compile). ``autotune=False``: a plan that
+        runs as fast without XLA's autotuning, the quick compiler's with ``untuned_plans``.
+        ``options``: further ``PlanCompiler.add`` arguments."""
         needed_by = list(needed_by)
         unknown = [rung for rung in needed_by if rung not in self._missing]
         if not needed_by or unknown:
             raise ValueError(f"{label}: needed by {needed_by}, which must be rungs of the "
                              f"ladders {self.full} (unknown: {unknown})")
         deferred = self._skeleton.isdisjoint(needed_by)
-        if not deferred and self.quick is not None:
+        compiler = self.compiler
+        if not autotune and self._untuned_plans:
+            compiler = self.quick
+        elif not deferred and self._quick_skeleton:
             self._quick_plans[label] = (quick_plan or plan, input_specs, meta_specs, options)
             deferred = True  # autotuned in the background, unless the cache holds it whole
-        self.compiler.add(label, plan, input_specs, meta_specs, deferred=deferred, **options)
+        compiler.add(label, plan, input_specs, meta_specs, deferred=deferred, **options)
         self._needed_by[label] = needed_by
         self._stores[label] = store
         for rung in needed_by:
@@ -143,40 +162,63 @@ class LadderCompiler:
             needed_by.append(("prefill_requests", rows))
         for label, key, plan, inputs, meta in resampler.plans_for(rows):
             if label not in self._needed_by:
-                self.add(needed_by, label, resampler.store(key), plan, inputs, meta)
+                self.add(needed_by, label, resampler.store(key), plan, inputs, meta,
+                         autotune=False)
 
     # ----------------------------------------------------------------- compiling
 
     def compile_all(self, *, background: bool = True) -> CompileSummary:
-        """Compile the skeleton's plans, store them, and with ``background`` start the thread
-        that loads and compiles the rest; without it, the deferred plans the cache holds whole
+        """Compile the skeleton's plans, store them, and with ``background`` start the threads
+        that load and compile the rest; without it, the deferred plans the cache holds whole
         are loaded here."""
         plans, summary = self.compiler.compile_all(
             load_deferred=set(self._quick_plans) if background else None)
         for label, plan in plans.items():
             self._store(label, plan)
         untuned = [label for label in self._quick_plans if label not in plans]
-        if untuned:
-            for label in untuned:
-                plan, input_specs, meta_specs, options = self._quick_plans[label]
-                self.quick.add(label, plan, input_specs, meta_specs, **options)
-            quick_plans, quick_summary = self.quick.compile_all()
+        for label in untuned:
+            plan, input_specs, meta_specs, options = self._quick_plans[label]
+            self.quick.add(label, plan, input_specs, meta_specs, **options)
+        if self.quick is not None:
+            quick_plans, quick_summary = self.quick.compile_all(
+                load_deferred=set() if background else None)
             for label, plan in quick_plans.items():
                 self._store(label, plan)
-            self._untuned.update(quick_plans)
+            self._untuned.update(label for label in untuned if label in quick_plans)
             summary = summary.merged(quick_summary)
         self._publish()
-        if background and self.compiler.num_deferred:
-            self._thread = threading.Thread(target=self._run, name="ladder-compile",
-                                            daemon=True)
-            _running.add(self)
-            self._thread.start()
+        if background:
+            for compiler in self._compilers():
+                if compiler.num_deferred:
+                    self._threads.append(threading.Thread(
+                        target=self._run, args=(compiler,), name="ladder-compile", daemon=True))
+            self._live_threads = len(self._threads)
+            if self._threads:
+                _running.add(self)
+            for thread in self._threads:
+                thread.start()
         return summary
+
+    def _compilers(self) -> list[PlanCompiler]:
+        """The compilers that own deferred plans: the autotuned one, and the quick one when it
+        has plans of its own (``untuned_plans``)."""
+        return [self.compiler] + ([self.quick] if self._untuned_plans else [])
 
     def compile_deferred(self, limit: int | None = None) -> CompileSummary:
         """Compile up to ``limit`` deferred bucket plans (all: None) on the calling thread,
-        publishing each rung they complete."""
-        return self.compiler.compile_deferred(self._adopt, limit=limit, first=self._untuned)
+        the autotuned compiler's first, publishing each rung they complete."""
+        summaries: list[CompileSummary] = []
+        for compiler in self._compilers():
+            left = None if limit is None else limit - sum(len(s.seconds_per_label)
+                                                          for s in summaries)
+            if left is not None and left <= 0:
+                break
+            summaries.append(self._compile_deferred(compiler, left))
+        return functools.reduce(CompileSummary.merged, summaries)
+
+    def _compile_deferred(self, compiler: PlanCompiler, limit: int | None) -> CompileSummary:
+        first = set(self._untuned) if compiler is self.compiler else ()
+        return compiler.compile_deferred(self._adopt, limit=limit, first=first)
 
     def _store(self, label: str, plan: CompiledPlan) -> None:
         self._stores[label](plan)
@@ -185,8 +227,9 @@ class LadderCompiler:
             self._missing[rung].discard(label)
 
     def _adopt(self, label: str, plan: CompiledPlan) -> None:
-        self._store(label, plan)
-        self._publish()
+        with self._adopting:
+            self._store(label, plan)
+            self._publish()
 
     def _publish(self) -> None:
         sizes: dict[str, list[int]] = {field.name: [] for field in dataclasses.fields(self.full)}
@@ -196,13 +239,13 @@ class LadderCompiler:
         self.ready = dataclasses.replace(
             self.full, **{name: tuple(sorted(values)) for name, values in sizes.items()})
 
-    def _run(self) -> None:
+    def _run(self, compiler: PlanCompiler) -> None:
         start = time.perf_counter()
         compiled = loaded = 0
         try:
-            while (self.compiler.num_deferred and not self._stop.is_set()
+            while (compiler.num_deferred and not self._stop.is_set()
                    and threading.main_thread().is_alive()):
-                summary = self.compile_deferred(limit=self.compiler.threads)
+                summary = self._compile_deferred(compiler, compiler.threads)
                 compiled += summary.num_compiled
                 loaded += summary.num_loaded
                 logger.debug("background compile: %s", ", ".join(summary.seconds_per_label))
@@ -215,11 +258,14 @@ class LadderCompiler:
             logger.critical("the background compile failed; the next step raises it",
                             exc_info=error)
         else:
-            logger.info("background compile: %d executables compiled and %d loaded in %.1fs; "
-                        "%d of %d buckets ready", compiled, loaded, time.perf_counter() - start,
-                        *self.counts())
+            logger.info("background compile: %d executables compiled and %d loaded in %.1fs "
+                        "(%s); %d of %d buckets ready", compiled, loaded,
+                        time.perf_counter() - start, compiler.description, *self.counts())
         finally:
-            _running.discard(self)
+            with self._adopting:
+                self._live_threads -= 1
+                if not self._live_threads:
+                    _running.discard(self)
 
     # ----------------------------------------------------------------- state
 
@@ -241,16 +287,18 @@ class LadderCompiler:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background compile to end (at most ``timeout`` seconds); whether every
         rung is ready. Raises the background compile's failure."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.check()
         return self.complete
 
     def stop(self) -> None:
         """Stop the background compile after its current bucket and wait for it."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def stats(self) -> dict[str, int]:
         ready, total = self.counts()

@@ -633,7 +633,8 @@ class ModelRunner(StepRunner):
             inputs, attention = abstract(self.prefill_arrays([], tokens, self.narrow_rows))
             ladders.add(rung, f"prefill T={tokens}",
                         functools.partial(self._encoders.__setitem__, tokens), self.encoder_plan,
-                        {**inputs, **caches}, {"attention": attention}, shardings=shardings)
+                        {**inputs, **caches}, {"attention": attention}, shardings=shardings,
+                        autotune=False)
 
     def _store_decode(self, rows: int, plan: CompiledPlan) -> None:
         self._decode_turns[rows] = DecodeTurns((plan, *plan.copies), rows)

@@ -536,6 +536,11 @@ class PlanCompiler:
                             meta_sharding=self._replicated, blocking=self._blocking)
 
     @property
+    def labels(self) -> list[str]:
+        """The bucket labels added, in order."""
+        return list(self._buckets)
+
+    @property
     def num_deferred(self) -> int:
         """Deferred buckets whose plans are not compiled yet."""
         return sum(bucket.deferred and not bucket.ready for bucket in self._buckets.values())
