@@ -66,9 +66,9 @@ class EngineConfig:
     # then, the same results). None = auto: on a GPU (the CPU compiler does not autotune).
     quick_skeleton: bool | None = None
     # Autotune the prefill executables (and the full sampler's). None = auto: not on a GPU,
-    # where they compile without XLA's autotuning on several threads at once, in parallel with
-    # the autotuned decode executables, and run as fast (their products are large, where XLA's
-    # heuristics pick the kernel autotuning would); the CPU compiler does not autotune.
+    # where they compile without XLA's autotuning, their matrix products on cuBLAS, several at
+    # once beside the autotuned decode executables, and run as fast (large products, where
+    # cuBLAS's heuristics do well); the CPU compiler does not autotune.
     prefill_autotune: bool | None = None
     # Tokens between KDA prefix-cache checkpoints (a multiple of the 64-token KDA chunk).
     prefix_granularity: int = 64
