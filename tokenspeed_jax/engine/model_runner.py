@@ -46,7 +46,9 @@ Routes, chosen per step from static configuration and the step's sizes:
   prefill is dispatch-bound, at the price of compiling the whole forward per bucket. Either way
   the encoder ends by gathering each sampled request's last hidden row (input ``rows``) into a
   block of ``narrow_rows`` rows, and a *decoder* plan per row bucket runs the head and the
-  in-step sampler on its first rows. Steps with more tokens than the largest bucket are cut into
+  in-step sampler on its first rows. On a GPU the encoders compile without XLA's autotuning
+  (``prefill_autotune``; ``engine/ladders.py``), as fast to run and several at once. Steps with
+  more tokens than the largest bucket are cut into
   chunks (chunked prefill) or, with chunking off, run eagerly; more requests than the largest
   request bucket are split into groups.
 * **Sampling in two tiers** (``sampling_plans``): heads and decode steps end with the in-step
