@@ -16,7 +16,6 @@ autotuned while the others run, so the speed columns say what the compile picked
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -78,15 +77,13 @@ def main() -> None:
     if args.child:
         print("RESULT " + json.dumps(child(*args.child)), flush=True)
         return
-    from random_checkpoint import load_tokenizer, shape_config, write_random_checkpoint
+    from random_checkpoint import write_shape_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="compile-options-") as work:
         model = Path(work) / "model"
-        shape = shape_config(args.model, args.layers)
-        vocab_size = max(shape.vocab_size, load_tokenizer(TOKENIZER_DIR).get_vocab_size())
-        write_random_checkpoint(model, dataclasses.replace(shape, vocab_size=vocab_size),
-                                TOKENIZER_DIR, dtype="bfloat16")
+        write_shape_checkpoint(model, args.model, TOKENIZER_DIR, num_layers=args.layers,
+                               dtype="bfloat16")
         for variant in args.variants:
             cache = Path(work) / f"cache-{variant}"
             cache.mkdir(mode=0o700)

@@ -19,7 +19,6 @@ runs ahead only while its synchronous probe steps find the device busy after the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from random_checkpoint import load_tokenizer, shape_config, write_random_checkpoint
+from random_checkpoint import write_shape_checkpoint
 
 from tokenspeed_jax import LLM, SamplingParams
 
@@ -36,11 +35,8 @@ PROMPT_TOKENS = 32
 
 
 def build(shape_name: str, batches: list[int], tokens: int, dtype: str, work: Path) -> LLM:
-    shape = shape_config(shape_name)
-    vocab_size = max(shape.vocab_size, load_tokenizer(TOKENIZER_DIR).get_vocab_size())
     model_dir = work / shape_name
-    write_random_checkpoint(model_dir, dataclasses.replace(shape, vocab_size=vocab_size),
-                            TOKENIZER_DIR, dtype=dtype)
+    write_shape_checkpoint(model_dir, shape_name, TOKENIZER_DIR, dtype=dtype)
     max_batch = max(batches)
     return LLM(str(model_dir), dtype=dtype, prefill_graph_capture_token_sizes=(256,),
                prefill_graph_max_tokens=256, chunked_prefill_size=256,

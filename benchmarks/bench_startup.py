@@ -82,16 +82,12 @@ def _needs_checkpoint(args: argparse.Namespace, case: str) -> bool:
 
 def _write_checkpoint(args: argparse.Namespace, case: str, model_dir: Path) -> float:
     """Write the case's random checkpoint into ``model_dir``; the seconds it took."""
-    import dataclasses
 
-    from random_checkpoint import load_tokenizer, shape_config, write_random_checkpoint
+    from random_checkpoint import write_shape_checkpoint
 
     began = time.perf_counter()
-    shape = shape_config("tiny" if args.tiny else case)
-    # the tiny shape's 256-row vocabulary is smaller than the tokenizer's: widen it to fit
-    vocab_size = max(shape.vocab_size, load_tokenizer(TOKENIZER_DIR).get_vocab_size())
-    write_random_checkpoint(model_dir, dataclasses.replace(shape, vocab_size=vocab_size),
-                            TOKENIZER_DIR, dtype=_dtype(args))
+    write_shape_checkpoint(model_dir, "tiny" if args.tiny else case, TOKENIZER_DIR,
+                           dtype=_dtype(args))
     return time.perf_counter() - began
 
 

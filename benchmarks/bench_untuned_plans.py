@@ -17,7 +17,6 @@ variant's compile seconds and threads and the best of ``--rounds`` rounds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import tempfile
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench_startup import best_seconds
-from random_checkpoint import load_tokenizer, shape_config, write_random_checkpoint
+from random_checkpoint import write_shape_checkpoint
 
 from tokenspeed_jax.engine.compilers import QUICK_COMPILE_THREADS
 
@@ -113,10 +112,8 @@ def main() -> None:
     token_sizes = tuple(sorted(args.tokens))
     with tempfile.TemporaryDirectory(prefix="untuned-plans-") as work:
         model = Path(work) / "model"
-        shape = shape_config(args.model, args.layers)
-        vocab_size = max(shape.vocab_size, load_tokenizer(TOKENIZER_DIR).get_vocab_size())
-        write_random_checkpoint(model, dataclasses.replace(shape, vocab_size=vocab_size),
-                                TOKENIZER_DIR, dtype="bfloat16")
+        write_shape_checkpoint(model, args.model, TOKENIZER_DIR, num_layers=args.layers,
+                               dtype="bfloat16")
         cache = Path(work) / "cache"
         cache.mkdir(mode=0o700)
         llm = LLM(str(model), compile_cache_dir=str(cache), compile_progress=False,

@@ -130,6 +130,16 @@ def write_weights(model_dir: Path, shape: LlamaConfig, zero_rows: list[int], see
             indent=1), encoding="utf-8")
 
 
+def write_shape_checkpoint(model_dir: Path, name: str, tokenizer_dir: Path, *,
+                           num_layers: int | None = None, dtype: str = "float32") -> None:
+    """A random checkpoint of ``shape_config(name, num_layers)``, its vocabulary widened to
+    the tokenizer's where that is larger (the tiny shape's 256 rows)."""
+    shape = shape_config(name, num_layers)
+    vocab_size = max(shape.vocab_size, load_tokenizer(tokenizer_dir).get_vocab_size())
+    write_random_checkpoint(model_dir, dataclasses.replace(shape, vocab_size=vocab_size),
+                            tokenizer_dir, dtype=dtype)
+
+
 def write_random_checkpoint(model_dir: Path, shape: LlamaConfig, tokenizer_dir: Path, *,
                             seed: int = 0, dtype: str = "float32",
                             max_shard_bytes: int = 4 << 30) -> None:

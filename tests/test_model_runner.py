@@ -11,6 +11,7 @@ the same model (``runner_settings``: every fast path at once), its Pallas kernel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -873,6 +874,18 @@ def decode_weight_leaves(runner, rows: int) -> int:
     return len(call.param_leaves)
 
 
+@contextlib.contextmanager
+def warm_start(model, config):
+    """A second runner of ``config`` whose ``compile_all`` loads every plan before serving (no
+    background thread): (runner, its compile summary); its guard is disarmed on the way out."""
+    warm = ModelRunner(model, config, 64, PAGE)
+    summary = warm.compile_all(start_background=False)
+    try:
+        yield warm, summary
+    finally:
+        warm.guard.disarm()
+
+
 def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
     """With a quick skeleton, ``compile_all`` compiles the skeleton with the quick compiler
     (no autotuning; per-layer decode weights even where the decode step stacks them) and defers
@@ -910,13 +923,9 @@ def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
         assert runner.stats()["runtime_compiles"] == 0
     finally:
         runner.guard.disarm()
-    warm = ModelRunner(model, config, 64, PAGE)
-    summary = warm.compile_all(start_background=False)
-    try:
+    with warm_start(model, config) as (warm, summary):
         assert summary.num_compiled == 0 and warm.stats()["plans_untuned"] == 0
         assert warm.ready == warm.buckets and decode_weight_leaves(warm, 2) == stacked
-    finally:
-        warm.guard.disarm()
 
 
 def test_prefill_and_sampler_plans_compile_untuned_beside_the_autotuned_ones(model, tmp_path):
@@ -944,14 +953,10 @@ def test_prefill_and_sampler_plans_compile_untuned_beside_the_autotuned_ones(mod
         assert runner.stats()["runtime_compiles"] == 0
     finally:
         runner.guard.disarm()
-    warm = ModelRunner(model, config, 64, PAGE)
-    summary = warm.compile_all(start_background=False)
-    try:
+    with warm_start(model, config) as (warm, summary):
         assert summary.num_compiled == 0 and summary.num_loaded == summary.num_executables
         assert warm.ready == warm.buckets
         assert generate(model, warm, Pages(), prompts(13, 12, 9, 5), steps=2)[1] == first
-    finally:
-        warm.guard.disarm()
 
 
 def test_prefill_plans_are_autotuned_only_where_asked_or_on_a_cpu():

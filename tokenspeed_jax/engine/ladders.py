@@ -179,7 +179,7 @@ class LadderCompiler:
         for label in untuned:
             plan, input_specs, meta_specs, options = self._quick_plans[label]
             self.quick.add(label, plan, input_specs, meta_specs, **options)
-        if self.quick is not None:
+        if self.quick is not None and self.quick.labels:
             quick_plans, quick_summary = self.quick.compile_all(
                 load_deferred=set() if background else None)
             for label, plan in quick_plans.items():
