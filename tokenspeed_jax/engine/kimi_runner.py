@@ -85,17 +85,13 @@ from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, Step
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.runner_stats import new_counters
 from tokenspeed_jax.engine.sampling_plans import (
-    Resampler,
     fast_sample,
     sampling_arrays,
     step_output,
 )
 from tokenspeed_jax.engine.step_runner import StepRunner
 from tokenspeed_jax.engine.token_board import (
-    board_rows,
-    new_board,
     pending_decode,
     read_tokens,
     token_rows,
@@ -105,7 +101,6 @@ from tokenspeed_jax.graph import (
     Break,
     Call,
     CompiledPlan,
-    CompileGuard,
     Piece,
     Plan,
     PlanBuilder,
@@ -200,7 +195,7 @@ class KimiRunner(StepRunner):
             engine_compiler(config, description="allocating the state pools and latent pages",
                             fingerprint=None, mesh=self.mesh),
             pool_specs(pools, {PAGE: num_pages, SLOT: num_state_slots}, self.mesh))
-        self.guard = CompileGuard(strict=config.strict_no_compile)
+        self._init_step_state()
         self._builder = PlanBuilder()
         self._fns: dict[tuple, Callable] = {}
         self.plans = {route: self._forward_plan(route) for route in ("inline", "ordinary",
@@ -220,12 +215,7 @@ class KimiRunner(StepRunner):
                            (*HEAD_OUTPUTS, "board"))
         self.board_head_plan = Plan([Call(board_head, self.outer_state)], ("hidden", "board"),
                                     (*HEAD_OUTPUTS, "board"))
-        self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
-        self.resampler = Resampler(self.model_config.vocab_size)
         self._compiled: dict[tuple, CompiledPlan] = {}
-        self.ladders: LadderCompiler | None = None  # set by compile_all
-        self.compiled = False
-        self.counters = new_counters()
 
     # ----------------------------------------------------------------- pieces
 

@@ -94,9 +94,7 @@ from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
-from tokenspeed_jax.engine.runner_stats import new_counters
 from tokenspeed_jax.engine.sampling_plans import (
-    Resampler,
     fast_sample,
     sampling_arrays,
     sampling_fields,
@@ -105,8 +103,6 @@ from tokenspeed_jax.engine.sampling_plans import (
 )
 from tokenspeed_jax.engine.step_runner import StepRunner
 from tokenspeed_jax.engine.token_board import (
-    board_rows,
-    new_board,
     pending_decode,
     read_tokens,
     token_rows,
@@ -116,7 +112,6 @@ from tokenspeed_jax.graph import (
     Break,
     Call,
     CompiledPlan,
-    CompileGuard,
     Piece,
     Plan,
     PlanBuilder,
@@ -331,18 +326,13 @@ class ModelRunner(StepRunner):
             engine_compiler(config, description="allocating the KV cache", fingerprint=None,
                             mesh=self.mesh),
             pool_specs(pools, {PAGE: num_pages}, self.mesh)))
-        self.board = new_board(board_rows(config.max_num_seqs, self.buckets.decode_executables))
         warn_inapplicable(config, ("disable_kda_prefill_graph",), "Llama-family models", logger)
-        self.guard = CompileGuard(strict=config.strict_no_compile)
+        self._init_step_state()
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
         self._decode_turns: dict[int, DecodeTurns] = {}
         self._decode_builders: dict[int, PackedBuilder] = {}
-        self.resampler = Resampler(self.model_config.vocab_size)
-        self.ladders: LadderCompiler | None = None  # set by compile_all
-        self.compiled = False
-        self.counters = new_counters()
 
     # ----------------------------------------------------------------- stage functions
 

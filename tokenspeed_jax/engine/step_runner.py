@@ -12,9 +12,11 @@ A family's runner subclasses ``StepRunner`` and supplies the routes:
   (deferred plans compile in that order), and ``cache_fingerprint()``: what its stage functions
   read besides their arguments, for the executable cache key.
 
-and sets, in its constructor, the attributes read here: ``config``, ``buckets``, ``mesh``,
-``page_size``, ``pages_per_request``, ``counters``, ``resampler``, ``guard``, ``ladders``
-(None until ``compile_all``) and ``compiled``.
+and sets, in its constructor, the attributes read here: ``config``, ``model_config``,
+``buckets``, ``mesh``, ``page_size`` and ``pages_per_request``, then calls
+``_init_step_state()``, which sets the rest the same way for every family: the compile guard,
+the token board, the resampler, the counters, ``ladders`` (None until ``compile_all``) and
+``compiled``.
 
 Invariants:
 
@@ -41,10 +43,15 @@ from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, Step
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import ladder_compiler
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.runner_stats import runner_stats
-from tokenspeed_jax.engine.sampling_plans import run_step
-from tokenspeed_jax.engine.token_board import can_stay_on_board, check_no_token_rows
-from tokenspeed_jax.graph import CompileSummary
+from tokenspeed_jax.engine.runner_stats import new_counters, runner_stats
+from tokenspeed_jax.engine.sampling_plans import Resampler, run_step
+from tokenspeed_jax.engine.token_board import (
+    board_rows,
+    can_stay_on_board,
+    check_no_token_rows,
+    new_board,
+)
+from tokenspeed_jax.graph import CompileGuard, CompileSummary
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,18 @@ class StepRunner(abc.ABC):
     docstring); subclasses supply the routes."""
 
     COMPILE_DESCRIPTION = "compiling executables"  # the start-up compile's progress bar
+
+    def _init_step_state(self) -> None:
+        """The host-side state of every family's runner (module docstring), from ``config``,
+        ``model_config`` and ``buckets``: a row of the token board per sequence the decode
+        executables can hold."""
+        self.guard = CompileGuard(strict=self.config.strict_no_compile)
+        self.board = new_board(board_rows(self.config.max_num_seqs,
+                                          self.buckets.decode_executables))
+        self.resampler = Resampler(self.model_config.vocab_size)
+        self.counters = new_counters()
+        self.ladders: LadderCompiler | None = None  # set by compile_all
+        self.compiled = False
 
     def compile_all(self, *, start_background: bool = True) -> CompileSummary:
         """Compile (or load from the executable cache) every executable a step can reach, fatal
