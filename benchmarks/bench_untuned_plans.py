@@ -26,13 +26,13 @@ from pathlib import Path
 from bench_startup import best_seconds
 from random_checkpoint import write_shape_checkpoint
 
-from tokenspeed_jax.engine.compilers import QUICK_COMPILE_THREADS
+from tokenspeed_jax.engine.compilers import NO_AUTOTUNE, QUICK_COMPILE_THREADS
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "tests" / "golden" / "tiny_llama"
 # Compilers besides the engine's own untuned one: (XLA options, compile threads; autotuned
 # plans compile one at a time, as the engine compiles them).
 VARIANTS = {
-    "untuned-triton": ({"xla_gpu_autotune_level": "0"}, QUICK_COMPILE_THREADS),
+    "untuned-triton": ({**NO_AUTOTUNE, "xla_gpu_enable_triton_gemm": True}, QUICK_COMPILE_THREADS),
     "tuned-cublas": ({"xla_gpu_enable_triton_gemm": False}, 1),
     "tuned": ({}, 1),
 }
@@ -45,15 +45,14 @@ def compile_variant(runner, options: dict, threads: int, token_sizes: tuple[int,
                     resample: bool) -> tuple[dict, dict, dict]:
     """The runner's encoders (and resamplers) compiled with XLA ``options`` on ``threads``
     threads, no executable cache: (encoders by token bucket, resamplers by key, figures)."""
-    from tokenspeed_jax.graph.compile import PlanCompiler, abstract
+    from tokenspeed_jax.graph.compile import PlanCompiler
 
     compiler = PlanCompiler(progress=False, fingerprint=runner.cache_fingerprint(),
                             mesh=runner.mesh, compiler_options=options, threads=threads)
-    caches = runner._cache_specs()
+    tokens_of = {}
     for tokens in token_sizes:
-        inputs, attention = abstract(runner.prefill_arrays([], tokens, runner.narrow_rows))
-        compiler.add(f"prefill T={tokens}", runner.encoder_plan, {**inputs, **caches},
-                     {"attention": attention})
+        tokens_of[f"prefill T={tokens}"] = tokens
+        compiler.add(f"prefill T={tokens}", runner.encoder_plan, *runner.encoder_specs(tokens))
     keys = {}
     if resample:
         for rows in sorted({key[1] for key in runner.resampler.compiled}):
@@ -64,8 +63,7 @@ def compile_variant(runner, options: dict, threads: int, token_sizes: tuple[int,
     plans, summary = compiler.compile_all()
     figures = {"compile_wall_s": time.perf_counter() - began, "threads": compiler.threads,
                "compiled": summary.num_compiled}
-    encoders = {int(label.split("=")[1]): plan for label, plan in plans.items()
-                if label.startswith("prefill")}
+    encoders = {tokens: plans[label] for label, tokens in tokens_of.items()}
     return encoders, {keys[label]: plans[label] for label in keys}, figures
 
 

@@ -82,12 +82,11 @@ def ladder_compiler(config: EngineConfig, buckets: Buckets, *, description: str,
     ``autotune=False``."""
     compiler = engine_compiler(config, description=description, fingerprint=fingerprint,
                                mesh=mesh)
-    quick_skeleton = uses_quick_skeleton(config)
+    quick_skeleton, untuned_plans = uses_quick_skeleton(config), not autotunes_prefill(config)
     quick = None
-    if quick_skeleton or not autotunes_prefill(config):
+    if quick_skeleton or untuned_plans:
         quick = engine_compiler(config, description=f"{description} (not autotuned)",
                                 fingerprint=fingerprint, mesh=mesh, quick=True)
     skeleton = buckets.skeleton() if config.background_compile else buckets
     return LadderCompiler(compiler, buckets, skeleton, quick=quick,
-                          quick_skeleton=quick_skeleton,
-                          untuned_plans=not autotunes_prefill(config))
+                          quick_skeleton=quick_skeleton, untuned_plans=untuned_plans)

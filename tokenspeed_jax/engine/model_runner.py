@@ -621,12 +621,16 @@ class ModelRunner(StepRunner):
                         {"rows_hidden": narrowed}, abstract(self._head_meta([], rows)))
             ladders.add_resampler(self.resampler, rows)
         for tokens in self.buckets.tokens:
-            rung = [("tokens", tokens)]
-            inputs, attention = abstract(self.prefill_arrays([], tokens, self.narrow_rows))
-            ladders.add(rung, f"prefill T={tokens}",
+            ladders.add([("tokens", tokens)], f"prefill T={tokens}",
                         functools.partial(self._encoders.__setitem__, tokens), self.encoder_plan,
-                        {**inputs, **caches}, {"attention": attention}, shardings=shardings,
+                        *self.encoder_specs(tokens), shardings=shardings,
                         autotune=False)
+
+    def encoder_specs(self, tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The abstract (inputs, metadata) of the encoder plan of token bucket ``tokens``, for a
+        ``PlanCompiler``."""
+        inputs, attention = abstract(self.prefill_arrays([], tokens, self.narrow_rows))
+        return {**inputs, **self._cache_specs()}, {"attention": attention}
 
     def _store_decode(self, rows: int, plan: CompiledPlan) -> None:
         self._decode_turns[rows] = DecodeTurns((plan, *plan.copies), rows)
