@@ -7,15 +7,20 @@ segments with the same pieces and wiring are one executable. Routes per step:
 
 * **inline** (prefill and extend steps, the default): KDA layers (projections, short conv, the
   chunked Pallas KDA kernel, gated norm, output projection, MoE) run inside the segments; each
-  MLA layer's latent paged attention is a break. One plan per (token bucket, request bucket).
+  MLA layer's latent paged attention is a break (``mla_attention.mla_prefill_step``: the Pallas
+  kernel on a GPU, the plain-JAX reference elsewhere; ``choose_mla_kernel`` decides once). One
+  plan per (token bucket, request bucket).
 * **ordinary**: the same, with each KDA layer's core (the kernel) at a break. Taken for steps
   with a one-token continuation chunk and when ``disable_kda_prefill_graph`` is set; a step with
   more requests or tokens than the largest bucket runs this route eagerly at its exact size.
-* **decode**: one token per request, the recurrent KDA kernel inline, MLA decode at the breaks;
-  one plan per decode batch bucket, then a head that also writes the sampled ids to the token
-  board (``token_board``): a row whose ``StepRequest.token_row`` is set takes its input token
-  from the previous decode step's board, so ``launch`` can leave a decode step running and the
-  engine can launch the next one before the tokens reach the host.
+* **decode**: one token per request, one whole-step executable per decode batch bucket
+  (``StepRunner``'s decode graph): the embedding, every layer (the recurrent KDA kernel; MLA
+  attention with ``mla_decode_step``, which also writes the step's latent rows), the head and
+  the in-step sampler, which writes the sampled ids to the token board (``token_board``): a row
+  whose ``StepRequest.token_row`` is set takes its input token from the previous decode step's
+  board, so ``launch`` can leave a decode step running and the engine can launch the next one
+  before the tokens reach the host. Its metadata is one packed buffer; the pools, the board and
+  the turn's sampled-rows buffer are donated.
 * **eager**: any plan op by op (``run_eager``), the reference the compiled routes match.
 
 A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
@@ -81,22 +86,21 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
-from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepOutput, StepRequest
+from tokenspeed_jax.engine.batch import StepBatch, StepOutput, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import engine_compiler
+from tokenspeed_jax.engine.decode_turns import sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
+from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     fast_sample,
     sampling_arrays,
+    sampling_fields,
     step_output,
+    unpack_sampling,
 )
-from tokenspeed_jax.engine.step_runner import StepRunner
-from tokenspeed_jax.engine.token_board import (
-    pending_decode,
-    read_tokens,
-    token_rows,
-    write_board,
-)
+from tokenspeed_jax.engine.step_runner import StepRunner, alternates_decode_executables
+from tokenspeed_jax.engine.token_board import read_tokens, token_rows, write_board
 from tokenspeed_jax.graph import (
     Break,
     Call,
@@ -112,17 +116,23 @@ from tokenspeed_jax.graph import (
 from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
+from tokenspeed_jax.kernels.mla_attention import (
+    choose_mla_kernel,
+    mla_decode_step,
+    mla_prefill_step,
+)
+from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
+from tokenspeed_jax.kernels.paged_prefill_attention import prefill_work
 from tokenspeed_jax.models.cache_spec import PAGE, SLOT, pool_specs
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
 from tokenspeed_jax.models.kimi_linear import sharding as kimi_sharding
 from tokenspeed_jax.models.kimi_linear.layers import KdaImpl, KdaMeta, kda_core
-from tokenspeed_jax.models.mla import paged_latent_decode, paged_latent_prefill, write_latent
+from tokenspeed_jax.models.mla import write_latent
 from tokenspeed_jax.models.registry import family_of
 
 KDA_META = ("cu_seqlens", "kda_slots", "checkpoint_offsets", "checkpoint_slots")
 FRESH = "fresh_slots"  # [N]: the state slot of each request starting at position 0, else -1
 HEAD_OUTPUTS = ("sampled", "logits")
-BOARD_INPUTS = ("token_rows", "board")  # the decode route's extra inputs (``token_board``)
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +175,7 @@ class KimiRunner(StepRunner):
         self.page_size = page_size
         self.num_state_slots = num_state_slots
         warn_inapplicable(config, ("inline_prefill_attention", "fused_decode_attention",
-                                   "stack_decode_weights", "alternate_decode_executables"),
+                                   "stack_decode_weights"),
                           "Kimi Linear (MLA attention, its own routes)", logger)
         self.pages_per_request = math.ceil(config.max_model_len / page_size)
         self.scale = float(model.attention_scale)
@@ -174,6 +184,10 @@ class KimiRunner(StepRunner):
         self.mesh = parallel.make_mesh(config.tensor_parallel_size)
         if self.mesh is not None:
             family_of(model.config).place_model(model, self.mesh)
+        self.alternate_decode = alternates_decode_executables(config, jax.default_backend())
+        self.mla_kernel = choose_mla_kernel(
+            kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, page_size=page_size,
+            dtype=self.dtype, mesh=self.mesh)
         layers = list(model.layers)
         self.kinds = [layer.kind for layer in layers]
         graphdefs: list[Any] = []
@@ -198,8 +212,7 @@ class KimiRunner(StepRunner):
         self._init_step_state()
         self._builder = PlanBuilder()
         self._fns: dict[tuple, Callable] = {}
-        self.plans = {route: self._forward_plan(route) for route in ("inline", "ordinary",
-                                                                       "decode")}
+        self.plans = {route: self._forward_plan(route) for route in ("inline", "ordinary")}
         self.plans["reference"] = self._forward_plan("ordinary", impl="reference")
         self.state_pools = tuple(n for n in self.pools if not n.startswith("latent"))
         self.restore_plan = None  # a model without KDA layers has no states to restore
@@ -211,10 +224,11 @@ class KimiRunner(StepRunner):
         self.restore_rows = self.buckets.prefill_requests[-1]
         head = Break("sample", self._head, ("hidden",), HEAD_OUTPUTS)
         self.head_plan = Plan([Call(head, self.outer_state)], ("hidden",), HEAD_OUTPUTS)
-        board_head = Break("sample", self._board_head, ("hidden", "board"),
-                           (*HEAD_OUTPUTS, "board"))
-        self.board_head_plan = Plan([Call(board_head, self.outer_state)], ("hidden", "board"),
-                                    (*HEAD_OUTPUTS, "board"))
+        carried = (*self.pools, "board", "sampled")
+        decoded = (*HEAD_OUTPUTS, "board", *self.pools)
+        decode = Break("decode", self._decode_step, carried, decoded, donate=carried)
+        self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
+                                carried, decoded)
         self._compiled: dict[tuple, CompiledPlan] = {}
 
     # ----------------------------------------------------------------- pieces
@@ -229,29 +243,26 @@ class KimiRunner(StepRunner):
         return self._fns[kind]
 
     def _pieces(self, route: str, impl: KdaImpl) -> list[Piece]:
-        decode = route == "decode"
+        """The prefill forward of ``route`` ("inline" or "ordinary") as pieces."""
         outer = self.model_def
         placeholder = self._layers_placeholder
 
-        def embed(params, token_ids, *board):
-            if board:  # the decode route: (token_rows, board)
-                token_ids = read_tokens(token_ids, *board)
+        def embed(params, token_ids):
             return (nnx.merge(outer, placeholder, params).embed(token_ids),)
 
-        embed_inputs = ("token_ids", *BOARD_INPUTS) if decode else ("token_ids",)
-        pieces = [Piece(("embed", decode), embed, embed_inputs, ("hidden",), self.outer_state)]
+        pieces = [Piece(("embed",), embed, ("token_ids",), ("hidden",), self.outer_state)]
         for i, kind in enumerate(self.kinds):
             graph = self._layer_defs[i]
             state = self.layer_states[i]
             conv, pool = f"conv.{i}", f"state.{i}"
-            if kind == KDA and route in ("inline", "decode"):
+            if kind == KDA and route == "inline":
                 def block(params, hidden, conv_pool, state_pool, fresh, *meta, _g=graph):
                     return self._layer(_g, params).kda_block(
                         hidden, reset_rows(conv_pool, fresh), reset_rows(state_pool, fresh),
-                        KdaMeta(*meta), impl=impl, decode=decode, mesh=self.mesh)
+                        KdaMeta(*meta), impl=impl, mesh=self.mesh)
 
-                pieces.append(Piece(("kda", graph, impl, decode),
-                                    self._fn(("kda", graph, impl, decode), lambda b=block: b),
+                pieces.append(Piece(("kda", graph, impl),
+                                    self._fn(("kda", graph, impl), lambda b=block: b),
                                     ("hidden", conv, pool, FRESH, *KDA_META),
                                     ("hidden", conv, pool), state))
             elif kind == KDA:
@@ -285,11 +296,10 @@ class KimiRunner(StepRunner):
                 def mla_out(params, hidden, attn, _g=graph):
                     return (self._layer(_g, params).mla_outputs(hidden, attn, mesh=self.mesh),)
 
-                attend = self._mla_decode if decode else self._mla_prefill
                 pieces += [
                     Piece(("mla_in", graph), self._fn(("mla_in", graph), lambda f=mla_in: f),
                           ("hidden", "positions"), ("q_lat", "kv"), state),
-                    Piece(("mla", decode), attend, ("q_lat", "kv", "positions", latent),
+                    Piece(("mla",), self._mla_prefill, ("q_lat", "kv", "positions", latent),
                           ("attn", latent), meta="attention", donate=(latent,)),
                     Piece(("mla_out", graph), self._fn(("mla_out", graph), lambda f=mla_out: f),
                           ("hidden", "attn"), ("hidden",), state),
@@ -298,16 +308,45 @@ class KimiRunner(StepRunner):
 
     def _mla_prefill(self, params, meta, q, kv, positions, pages) -> tuple:
         pages = write_latent(pages, kv, meta["slot_mapping"])
-        attn = paged_latent_prefill(q, pages, meta["page_tables"], meta["token_request"],
-                                    positions, scale=self.scale,
-                                    kv_lora_rank=self.model_config.kv_lora_rank)
+        attn = mla_prefill_step(q, pages, meta["page_tables"], meta["token_request"], positions,
+                                meta.get("work"), scale=self.scale,
+                                kv_lora_rank=self.model_config.kv_lora_rank,
+                                kernel=self.mla_kernel)
         return attn, pages
 
-    def _mla_decode(self, params, meta, q, kv, positions, pages) -> tuple:
-        pages = write_latent(pages, kv, meta["slot_mapping"])
-        attn = paged_latent_decode(q, pages, meta["page_tables"], positions, scale=self.scale,
-                                   kv_lora_rank=self.model_config.kv_lora_rank)
-        return attn, pages
+    def _decode_step(self, params: Any, packed: Packed, *values: jax.Array) -> tuple:
+        """One decode step with every layer inside: the in-step sampler's rows, the logits
+        (for ``resample``), the token board, the pools. KDA layers run the recurrent kernel,
+        MLA layers ``mla_decode_step`` (which writes the step's latent rows). A row with
+        ``token_rows >= 0`` reads its input token from the board the previous decode step
+        wrote; decode rows continue their states (position > 0), so no row is reset. The last
+        value (the turn's sampled-rows buffer) is not read: it is donated so that the sampled
+        rows are written into it."""
+        outer_state, layer_states = params
+        meta = packed.unpack()
+        *pool_values, board, _ = values
+        pools = dict(zip(self.pools, pool_values))
+        positions = meta["positions"]
+        kda_meta = KdaMeta(*(meta[n] for n in KDA_META))
+        outer = nnx.merge(self.model_def, self._layers_placeholder, outer_state)
+        hidden = outer.embed(read_tokens(meta["token_ids"], meta["token_rows"], board))
+        for i, (kind, state) in enumerate(zip(self.kinds, layer_states)):
+            layer = self._layer(self._layer_defs[i], state)
+            if kind == KDA:
+                conv, pool = f"conv.{i}", f"state.{i}"
+                hidden, pools[conv], pools[pool] = layer.kda_block(
+                    hidden, pools[conv], pools[pool], kda_meta, impl="pallas", decode=True,
+                    mesh=self.mesh)
+            else:
+                latent = f"latent.{i}"
+                q, rows = layer.mla_inputs(hidden, positions)
+                attn, pools[latent] = mla_decode_step(
+                    q, rows, pools[latent], meta["page_tables"], positions, scale=self.scale,
+                    kv_lora_rank=self.model_config.kv_lora_rank, kernel=self.mla_kernel)
+                hidden = layer.mla_outputs(hidden, attn, mesh=self.mesh)
+        logits = outer.head(hidden).astype(jnp.float32)
+        sampled = fast_sample(unpack_sampling(meta), logits)
+        return (sampled, logits, write_board(board, sampled), *pools.values())
 
     def _head(self, params, meta, hidden) -> tuple:
         """The sampled rows' head and the in-step sampler: (sampled rows, fp32 logits)."""
@@ -316,15 +355,9 @@ class KimiRunner(StepRunner):
         logits = logits.astype(jnp.float32)
         return fast_sample(meta["sampling"], logits), logits
 
-    def _board_head(self, params, meta, hidden, board) -> tuple:
-        """The decode route's head: also the board of its sampled ids."""
-        sampled, logits = self._head(params, meta, hidden)
-        return sampled, logits, write_board(board, sampled)
-
     def _forward_plan(self, route: str, impl: KdaImpl = "pallas") -> Plan:
         pools = tuple(self.pools)
-        board = BOARD_INPUTS if route == "decode" else ()
-        inputs = ("token_ids", *board, "positions", FRESH, *KDA_META, *pools)
+        inputs = ("token_ids", "positions", FRESH, *KDA_META, *pools)
         return self._builder.plan(self._pieces(route, impl), inputs, ("hidden", *pools))
 
     # ----------------------------------------------------------------- host arrays
@@ -382,11 +415,33 @@ class KimiRunner(StepRunner):
         return inputs, attention, {"rows": rows_arr,
                                    "sampling": sampling_arrays(sampled, num_requests)}
 
-    def _decode_arrays(self, requests: Sequence[StepRequest], rows: int) -> tuple[dict, dict, dict]:
-        """``step_arrays`` of a decode group of ``rows`` rows, with its token rows (the board is
-        the runner's)."""
+    def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
+                       num_requests: int) -> tuple[dict, dict, dict]:
+        """``step_arrays`` of a prefill group, its break metadata with the work items of the
+        Pallas MLA prefill kernel when that runs."""
+        inputs, attention, head = self.step_arrays(requests, num_tokens, num_requests)
+        if self.mla_kernel.backend == PALLAS:
+            attention["work"] = prefill_work(attention["token_request"], inputs["positions"],
+                                             num_rows=num_requests,
+                                             block_q=self.mla_kernel.prefill.block_q)
+        return inputs, attention, head
+
+    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
+        """The packed metadata of a decode group padded to ``rows``: its ``step_arrays`` (one
+        token per request), the token rows (the board is the runner's) and the in-step
+        sampler's settings."""
         inputs, attention, head = self.step_arrays(requests, rows, rows)
-        return {**inputs, "token_rows": token_rows(requests, rows)}, attention, head
+        return Packed.of({**{n: inputs[n] for n in ("token_ids", "positions", *KDA_META)},
+                          "token_rows": token_rows(requests, rows),
+                          "page_tables": attention["page_tables"],
+                          **sampling_fields(head["sampling"])})
+
+    def decode_caches(self) -> list[jax.Array]:
+        """The pools a decode step carries, in ``pools`` order."""
+        return list(self.pools.values())
+
+    def adopt_decode_caches(self, caches: Sequence[jax.Array]) -> None:
+        self.pools = dict(zip(self.pools, caches))
 
     def _check_slots(self, request: StepRequest) -> None:
         if not self.state_pools:  # no KDA layers: a request's state rows are never read
@@ -420,19 +475,8 @@ class KimiRunner(StepRunner):
             self.mesh, list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
-        board = abstract(self.board)
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.
-        for rows in self.buckets.decode_executables:
-            needed_by = ladders.decode_rungs(rows)
-            inputs, attention, head = (abstract(m) for m in self._decode_arrays([], rows))
-            ladders.add(needed_by, f"decode T={rows} N={rows}", self._store(("decode", rows, rows)),
-                        self.plans["decode"], {**inputs, "board": board, **pools},
-                        {"attention": attention}, shardings=shardings)
-            hidden = jax.ShapeDtypeStruct((rows, hidden_size), self.dtype)
-            ladders.add(needed_by, f"board-head T={rows} N={rows}",
-                        self._store(("board-head", rows, rows)), self.board_head_plan,
-                        {"hidden": hidden, "board": board}, {"sample": head})
-            ladders.add_resampler(self.resampler, rows)
+        self._add_decode_plans(ladders, lambda rows: self.decode_plan, pools, shardings)
         if self.restore_plan is not None:
             rows = abstract({"restore_src": np.zeros(self.restore_rows, np.int32),
                              "restore_dst": np.zeros(self.restore_rows, np.int32)})
@@ -444,7 +488,8 @@ class KimiRunner(StepRunner):
         routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
         for tokens, requests in self._prefill_shapes(ladders.skeleton):
             needed_by = self._rungs_needing(tokens, requests, ladders.skeleton)
-            inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
+            inputs, attention, head = (abstract(m) for m in self.prefill_arrays([], tokens,
+                                                                                   requests))
             for route in routes:
                 ladders.add(needed_by, f"{route} T={tokens} N={requests}",
                             self._store((route, tokens, requests)), self.plans[route],
@@ -502,15 +547,15 @@ class KimiRunner(StepRunner):
     def _on_decode_graph(self, batch: StepBatch) -> bool:
         return self.route(batch.requests) == "decode"
 
-    def _launch_decode(self, requests: list[StepRequest]) -> PendingStep:
-        return pending_decode(self._enqueue("decode", requests)[0]["sampled"], len(requests))
-
     def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route they take."""
         route = self.route(requests)
         if route == "eager":
             return [self._eager_rows(requests, "ordinary")]
         return [self._compiled_rows(route, requests)]
+
+    def _prepare_decode(self, requests: Sequence[StepRequest]) -> None:
+        self.restore(requests)
 
     def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
         """(tokens, requests): the ready bucket of the executable a compiled step on ``route``
@@ -527,35 +572,26 @@ class KimiRunner(StepRunner):
         return step_output([self._compiled_rows(route, requests)])
 
     def _compiled_rows(self, route: str, requests: Sequence[StepRequest]) -> np.ndarray:
-        sampled, rows = self._enqueue(route, requests)
-        return self.resampler.finish([r for r in requests if r.sample], rows,
-                                     sampled["sampled"], sampled["logits"])
-
-    def _enqueue(self, route: str, requests: Sequence[StepRequest]
-                 ) -> tuple[dict[str, jax.Array], int]:
-        """Enqueue a step on the compiled plan of ``route`` and its head (keeping the pools and,
-        on the decode route, the token board): the head's outputs, on the device, and its
-        request rows."""
+        """The packed sampled rows of a step on the compiled plans of ``route``: the decode
+        executable, or a prefill route's plan and its head (keeping the pools)."""
+        if route == "decode":
+            return self._run_decode(list(requests))
         total = sum(r.num_tokens for r in requests)
         tokens, rows = self.bucket(route, requests)
-        decode = route == "decode"
-        inputs, attention, head = (self._decode_arrays(requests, rows) if decode
-                                   else self.step_arrays(requests, tokens, rows))
+        inputs, attention, head = self.prefill_arrays(requests, tokens, rows)
         self.restore(requests)
-        self.counters["decode_runs" if decode else "prefill_runs"] += 1
+        self.counters["prefill_runs"] += 1
         if route == "ordinary":
             self.counters["ordinary_runs"] += 1
         self.counters["real_tokens"] += total
         self.counters["padded_tokens"] += tokens - total
-        board = {"board": self.board} if decode else {}
         out = self._compiled[route, tokens, rows].run(
-            {**jax.device_put(inputs), **board, **self.pools}, {"attention": attention, "kda": {}})
+            {**jax.device_put(inputs), **self.pools}, {"attention": attention, "kda": {}})
         self._adopt(out)
-        sampled = self._compiled["board-head" if decode else "head", tokens, rows].run(
-            {"hidden": out["hidden"], **board}, {"sample": head})
-        if decode:
-            self.board = sampled["board"]
-        return sampled, rows
+        sampled = self._compiled["head", tokens, rows].run({"hidden": out["hidden"]},
+                                                           {"sample": head})
+        return self.resampler.finish([r for r in requests if r.sample], rows,
+                                     sampled["sampled"], sampled["logits"])
 
     def run_eager(self, requests: Sequence[StepRequest], *, plan: str = "ordinary") -> StepOutput:
         """A step op by op at its exact size (``plan``: "inline", "ordinary", "decode", or
@@ -567,10 +603,8 @@ class KimiRunner(StepRunner):
         total = sum(r.num_tokens for r in requests)
         self.counters["real_tokens"] += total
         if plan == "decode":
-            inputs, attention, head = self._decode_arrays(requests, len(requests))
-            inputs["board"] = self.board
-        else:
-            inputs, attention, head = self.step_arrays(requests, total, len(requests))
+            return self._eager_decode_rows(requests)
+        inputs, attention, head = self.prefill_arrays(requests, total, len(requests))
         self.restore(requests)
         num_sampled = sum(r.sample for r in requests)
         with self.guard.allowed("Kimi eager forward"):
@@ -583,6 +617,20 @@ class KimiRunner(StepRunner):
             sampled = run_eager(self.head_plan, {"hidden": out["hidden"]}, {"sample": rows})
             return self.resampler.finish([r for r in requests if r.sample], num_sampled,
                                          sampled["sampled"], sampled["logits"], eager=True)
+
+    def _eager_decode_rows(self, requests: Sequence[StepRequest]) -> np.ndarray:
+        """The decode plan op by op at the step's exact size."""
+        rows = len(requests)
+        meta = {"decode": self._decode_meta(requests, rows)}
+        self.restore(requests)
+        spec = sampled_buffer_spec(rows)
+        with self.guard.allowed("Kimi eager forward"):
+            out = run_eager(self.decode_plan, {**self.pools, "board": self.board,
+                                               "sampled": jnp.zeros(spec.shape, spec.dtype)}, meta)
+            self._adopt(out)
+            self.board = out["board"]
+            return self.resampler.finish(list(requests), rows, out["sampled"], out["logits"],
+                                         eager=True)
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
         """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""

@@ -88,10 +88,9 @@ from flax import nnx
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig, warn_inapplicable
-from tokenspeed_jax.engine.batch import PendingStep, StepBatch, StepRequest
+from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import engine_compiler
-from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
 from tokenspeed_jax.engine.packed import Packed, PackedBuilder
 from tokenspeed_jax.engine.sampling_plans import (
@@ -101,9 +100,8 @@ from tokenspeed_jax.engine.sampling_plans import (
     unpack_sampling,
     write_sampling_fields,
 )
-from tokenspeed_jax.engine.step_runner import StepRunner
+from tokenspeed_jax.engine.step_runner import StepRunner, alternates_decode_executables
 from tokenspeed_jax.engine.token_board import (
-    pending_decode,
     read_tokens,
     token_rows,
     write_board,
@@ -207,14 +205,6 @@ def inlines_prefill_attention(config: EngineConfig, layer_states: Sequence[Any],
     if config.inline_prefill_attention is not None:
         return config.inline_prefill_attention
     return small_model_on_one_gpu(config, layer_states, platform)
-
-
-def alternates_decode_executables(config: EngineConfig, platform: str) -> bool:
-    """Whether decode steps take turns between two loaded copies of each decode executable: an
-    explicit setting, else on one GPU (command buffers are a GPU runtime's)."""
-    if config.alternate_decode_executables is not None:
-        return config.alternate_decode_executables
-    return platform == "gpu" and config.tensor_parallel_size == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +321,6 @@ class ModelRunner(StepRunner):
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
-        self._decode_turns: dict[int, DecodeTurns] = {}
         self._decode_builders: dict[int, PackedBuilder] = {}
 
     # ----------------------------------------------------------------- stage functions
@@ -605,15 +594,8 @@ class ModelRunner(StepRunner):
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.
-        for rows in self.buckets.decode_executables:
-            meta = {"decode": abstract(self._decode_meta([], rows))}
-            ladders.add(ladders.decode_rungs(rows), f"decode B={rows}",
-                        functools.partial(self._store_decode, rows), self.decode_plan(rows),
-                        {**caches, "board": abstract(self.board),
-                         "sampled": sampled_buffer_spec(rows)}, meta, shardings=shardings,
-                        copies=2 if self.alternate_decode else 1,
-                        quick_plan=self.per_layer_decode_plan)
-            ladders.add_resampler(self.resampler, rows)
+        self._add_decode_plans(ladders, self.decode_plan, caches, shardings,
+                               quick_plan=self.per_layer_decode_plan)
         for rows in self.buckets.prefill_requests:
             narrowed = jax.ShapeDtypeStruct((self.narrow_rows, hidden_size), hidden_dtype)
             ladders.add([("prefill_requests", rows)], f"head B={rows}",
@@ -632,19 +614,11 @@ class ModelRunner(StepRunner):
         inputs, attention = abstract(self.prefill_arrays([], tokens, self.narrow_rows))
         return {**inputs, **self._cache_specs()}, {"attention": attention}
 
-    def _store_decode(self, rows: int, plan: CompiledPlan) -> None:
-        self._decode_turns[rows] = DecodeTurns((plan, *plan.copies), rows)
-
     # ----------------------------------------------------------------- serving
 
     def _on_decode_graph(self, batch: StepBatch) -> bool:
         return (bool(self.buckets.decode_requests) and batch.is_decode
                 and len(batch.requests) <= self.buckets.decode_requests[-1])
-
-    def _launch_decode(self, requests: list[StepRequest]) -> PendingStep:
-        out, _, slot = self._decode(requests)
-        slot.pending = pending_decode(out["sampled"], len(requests))
-        return slot.pending
 
     def _run(self, requests: list[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route their shape takes."""
@@ -692,33 +666,6 @@ class ModelRunner(StepRunner):
         """The packed metadata of the head plan: the in-step sampler's settings."""
         return {"head": Packed.of(sampling_fields(sampling_arrays(sampled, rows)))}
 
-    def decode_inputs(self, requests: Sequence[StepRequest], rows: int | None = None
-                      ) -> tuple[DecodeSlot, dict]:
-        """The decode turn for ``requests`` on the ``rows``-row executable (default: the ready
-        one for their count, at most the largest decode bucket; the bucket's two turns
-        alternate, one per call) and its host-built metadata (one packed buffer)."""
-        if rows is None:
-            rows = self.ready.decode_rows(len(requests))
-        return self._decode_turns[rows].take(), {"decode": self._decode_meta(requests, rows)}
-
-    def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
-        out, rows, _ = self._decode(requests)
-        return self.resampler.finish(requests, rows, out["sampled"], out["logits"])
-
-    def _decode(self, requests: list[StepRequest]
-                ) -> tuple[dict[str, jax.Array], int, DecodeSlot]:
-        """Enqueue one decode executable (keeping its caches, token board and sampled-rows
-        buffer): its outputs, on the device, its rows and the turn it ran in."""
-        rows = self.ready.decode_rows(len(requests))
-        slot, meta = self.decode_inputs(requests, rows)
-        self.counters["decode_runs"] += 1
-        self.counters["real_tokens"] += len(requests)
-        self.counters["padded_tokens"] += rows - len(requests)
-        slot.sampled, logits, self.board, *caches = slot.plan.run_positional(
-            [*self.k_pages, *self.v_pages, self.board, slot.sampled], meta)
-        self.k_pages, self.v_pages = caches[:self.num_layers], caches[self.num_layers:]
-        return {"sampled": slot.sampled, "logits": logits}, rows, slot
-
     def _run_eager(self, requests: list[StepRequest]) -> np.ndarray:
         """The same plans, op by op, at the exact sizes: no buckets, no padding."""
         self.counters["eager_runs"] += 1
@@ -736,6 +683,13 @@ class ModelRunner(StepRunner):
                             self._head_meta(sampled_requests, num_sampled))
             return self.resampler.finish(sampled_requests, num_sampled, out["sampled"],
                                          out["logits"], eager=True)
+
+    def decode_caches(self) -> list[jax.Array]:
+        """The KV caches a decode step carries: the K caches, then the V caches."""
+        return [*self.k_pages, *self.v_pages]
+
+    def adopt_decode_caches(self, caches: Sequence[jax.Array]) -> None:
+        self.k_pages, self.v_pages = caches[:self.num_layers], caches[self.num_layers:]
 
     def kv_caches(self) -> dict[str, jax.Array]:
         """The paged KV cache as plan values (``k_pages.i``, ``v_pages.i``); donated per step."""

@@ -156,7 +156,10 @@ def mla_prefill(
 def mla_prefill_problem(*, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: jnp.dtype,
                         blocks: MLAPrefillBlocks = MLAPrefillBlocks()) -> str | None:
     """Why the kernel cannot run this latent cache shape, or None when it can
-    (``mla_decode.latent_cache_problem``)."""
+    (``mla_decode.latent_cache_problem``). fp32 caches are refused: the kernel stops with a
+    runtime error in XLA's GPU runtime at that dtype (bf16 runs)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return "float32 latent cache (the prefill kernel runs bf16 caches)"
     return latent_cache_problem(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                                 page_size=page_size, dtype=dtype,
                                 pages_per_block=blocks.pages_per_block)
