@@ -141,6 +141,12 @@ def check_decode_tokens(runner: KimiRunner, batch: list[StepRequest]) -> dict:
             "max_logprob_diff": float(np.max(np.abs(compiled.logprobs - eager.logprobs)))}
 
 
+def record(results: list[dict], row: dict) -> None:
+    """Keep ``row`` and print it at once, so a run cut short still shows what it measured."""
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -207,8 +213,9 @@ def main() -> None:
                 timings.append(("eager", lambda b=batch: runner.run_eager(b, plan="ordinary")))
             for name, fn in timings:
                 seconds = timed(fn, args.repeats if name != "eager" else 1)
-                results.append({"what": f"prefill {name}", "requests": count, "tokens": tokens,
-                                "ms": seconds * 1e3, "tokens_per_s": tokens / seconds})
+                record(results, {"what": f"prefill {name}", "requests": count,
+                                 "tokens": tokens, "ms": seconds * 1e3,
+                                 "tokens_per_s": tokens / seconds})
     ahead_steps = 5 * args.repeats
     top_k = getattr(config, "num_experts_per_tok", None) or config.num_experts_per_token
     for context in args.contexts:
@@ -218,10 +225,9 @@ def main() -> None:
             ahead = timed(lambda b=batch: run_ahead_steps(runner, b, ahead_steps),
                           1) / ahead_steps
             floor = decode_floor_bytes(weights, config, batch_size, context, top_k, kinds)
-            results.append({"what": "decode", "requests": batch_size, "context": context,
-                            "step_ms": step * 1e3, "run_ahead_ms": ahead * 1e3,
-                            "floor_ms": floor / args.bandwidth * 1e3,
-                            "floor_gb": floor / 1e9})
+            record(results, {"what": "decode", "requests": batch_size, "context": context,
+                             "step_ms": step * 1e3, "run_ahead_ms": ahead * 1e3,
+                             "floor_ms": floor / args.bandwidth * 1e3, "floor_gb": floor / 1e9})
     print(f"\n{args.shape} shape, {args.layers} layers ({kinds.count(KDA)} KDA, "
           f"{kinds.count(MLA)} MLA), bf16, random weights")
     print("| what | requests | tokens / context | ms | run ahead ms | floor ms | x floor |")

@@ -54,7 +54,7 @@ class MLAPrefillBlocks:
     (at least 16)."""
 
     block_q: int = 16  # query tokens per program; work items must be cut with the same
-    block_h: int = 2  # query heads per program
+    block_h: int = 4  # query heads per program
     pages_per_block: int = 2  # pages per key block; block_k = pages_per_block * page_size >= 16
     num_warps: int = 8
     num_stages: int = 2
