@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -147,14 +146,6 @@ def record(results: list[dict], row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="kimi-linear")
@@ -245,7 +236,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({
             "shape": args.shape, "layers": args.layers, "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
             "init_s": init_s, "compile_s": compile_s, "weights": weights, "check": check,
             "runtime_compiles": runtime_compiles, "rows": results}, indent=1))
 

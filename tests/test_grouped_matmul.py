@@ -101,24 +101,48 @@ def test_fewer_rows_than_one_tile():
     assert_close(out, loop_reference(lhs, rhs, sizes), jnp.float32)
 
 
+def assert_schedule_covers(sizes, num_rows: int, block_m: int) -> None:
+    """The tile schedule of ``sizes`` has ``num_tiles`` tiles and covers every row once, each
+    with its group (-1 past the last group)."""
+    groups = len(sizes)
+    tiles = np.asarray(tile_schedule(jnp.array(sizes, jnp.int32), num_rows, block_m))
+    assert tiles.shape == (num_tiles(num_rows, groups, block_m), 3)
+    ends = np.minimum(np.cumsum(sizes), num_rows)
+    row_group = np.searchsorted(ends, np.arange(num_rows), side="right")
+    row_group[row_group == groups] = -1  # past the last group
+    owner = np.full(num_rows, -2)
+    for group, first, end in tiles:
+        assert 0 <= end - first <= block_m
+        if end > first:
+            assert np.all(owner[first:end] == -2), (sizes, tiles)  # no row twice
+            assert np.all(row_group[first:end] == group), (sizes, tiles)
+            owner[first:end] = group
+    assert np.all(owner != -2), (sizes, tiles)
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_tile_schedule_covers_every_row_once_with_its_group(block_m):
     rng = np.random.default_rng(2)
-    cases = list(SIZES) + [tuple(rng.integers(0, 20, G)) for _ in range(20)]
+    for sizes in list(SIZES) + [tuple(rng.integers(0, 20, G)) for _ in range(20)]:
+        assert_schedule_covers(sizes, M, block_m)
+
+
+def test_a_few_rows_among_many_groups_take_a_few_tiles():
+    """A decode step's shape, 6 rows over 48 groups: the schedule has cdiv(6, 16) + 6 tiles,
+    not one per group, still covers every row once with its group (rows routed to distinct
+    groups, to shared ones, and past the last group), and the kernel matches the loop."""
+    rows, groups = 6, 48
+    assert num_tiles(rows, groups, 16) == 7
+    rng = np.random.default_rng(3)
+    lhs = jnp.asarray(rng.standard_normal((rows, K)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((groups, K, N)) / np.sqrt(K), jnp.float32)
+    cases = [np.bincount(rng.choice(groups, size=used, replace=shared), minlength=groups)
+             for used, shared in ((6, False), (6, True), (4, False), (0, True))]
     for sizes in cases:
-        tiles = np.asarray(tile_schedule(jnp.array(sizes, jnp.int32), M, block_m))
-        assert tiles.shape == (num_tiles(M, G, block_m), 3)
-        ends = np.minimum(np.cumsum(sizes), M)
-        row_group = np.searchsorted(ends, np.arange(M), side="right")
-        row_group[row_group == G] = -1  # past the last group
-        owner = np.full(M, -2)
-        for group, first, end in tiles:
-            assert 0 <= end - first <= block_m
-            if end > first:
-                assert np.all(owner[first:end] == -2), (sizes, tiles)  # no row twice
-                assert np.all(row_group[first:end] == group), (sizes, tiles)
-                owner[first:end] = group
-        assert np.all(owner != -2), (sizes, tiles)
+        assert_schedule_covers(tuple(sizes), rows, 16)
+        out = grouped_matmul(lhs, rhs, jnp.array(sizes, jnp.int32),
+                             blocks=GroupedMatmulBlocks(16, 16, 16), interpret=True)
+        assert_close(out, loop_reference(lhs, rhs, sizes), jnp.float32)
 
 
 def test_shapes_the_blocks_do_not_divide_are_rejected():

@@ -20,6 +20,8 @@ from tokenspeed_jax.engine import kimi_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.kimi_runner import KimiRunner, checkpoint_split
 from tokenspeed_jax.graph import choose_bucket
+from tokenspeed_jax.kernels.mla_attention import MLAKernel
+from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, REFERENCE
 from tokenspeed_jax.models.kimi_linear import MLA, KimiLinearForCausalLM
 from tokenspeed_jax.models.loader import load_checkpoint
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -199,6 +201,63 @@ def test_decode_route_matches_eager_and_extends_the_prefill(runner):
                                           request("b", short, 0, 8, slot=3)])
     assert_same(compiled, whole)
     assert runner.stats()["runtime_compiles"] == 0
+
+
+def test_decode_is_one_executable_per_batch_bucket(runner):
+    """A decode step is one executable call: the decode plan is a single call (every layer,
+    the head, the sampler and the token board inside), compiled once per decode bucket, with
+    no head or segment executables of its own."""
+    (call,) = runner.decode_plan.calls
+    assert call.stage.name == "decode"
+    labels = runner.ladders.compiler.labels
+    assert [label for label in labels if "B=" in label and "resample" not in label] == [
+        f"decode B={rows}" for rows in runner.buckets.decode_executables]
+    assert not any("head" in label and "T=2 " in label for label in labels)
+
+
+def test_decode_steps_alternate_between_two_loaded_copies_when_asked(runner):
+    """With ``alternate_decode_executables`` successive decode steps of a bucket run two loaded
+    copies of its executable in turn, with the tokens and pools of the single copy."""
+    alternating = new_runner(alternate_decode_executables=True)
+    alternating.compile_all()
+    first, second = alternating._decode_turns[2].slots
+    assert first.plan is not second.plan
+    assert runner._decode_turns[2].slots[0].plan is runner._decode_turns[2].slots[1].plan
+    long, short = prompts(5)
+    _, pools = run(runner, noisy_pools(runner, 8), "inline",
+                   [request("a", long[:-2], 0, 0, slot=1), request("b", short[:-2], 0, 8, slot=3)])
+    for offset in (2, 1):
+        decode = [request("a", long[-offset:][:1], 70 - offset, 0, slot=1),
+                  request("b", short[-offset:][:1], 40 - offset, 8, slot=3)]
+        want = run(runner, pools, "step", decode)
+        assert_same(run(alternating, pools, "step", decode), want)
+        pools = want[1]
+    assert alternating.stats()["runtime_compiles"] == 0
+
+
+def test_pallas_mla_kernels_interpreted_give_the_reference_kernels_results(runner):
+    """The Pallas MLA kernels, interpreted on the CPU: prefill attention at the breaks, a
+    second chunk attending over the first chunk's cached latent pages (as a prefix-cache hit
+    does), and decode attention inside the decode executable give the tokens and pools of the
+    plain-JAX references. The kernel choice is part of the executable cache key."""
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    kernels = KimiRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
+                         page_size=PAGE, mla_kernel=MLAKernel(PALLAS, interpret=True))
+    assert runner.mla_kernel.backend == REFERENCE
+    assert kernels.cache_fingerprint() != runner.cache_fingerprint()
+    kernels.compile_all()
+    long, short = prompts(6)
+    pools = noisy_pools(runner, 9)
+    steps = [("inline", [request("a", long[:32], 0, 0, slot=1),
+                         request("b", short[:-1], 0, 8, slot=3)]),
+             ("inline", [request("a", long[32:-1], 32, 0, slot=1)]),
+             ("decode", [request("a", long[-1:], 69, 0, slot=1),
+                         request("b", short[-1:], 39, 8, slot=3)])]
+    for how, batch in steps:
+        want = run(runner, pools, how, batch)
+        assert_same(run(kernels, pools, how, batch), want)
+        pools = want[1]
+    assert kernels.stats()["runtime_compiles"] == 0
 
 
 def test_bf16_state_rows_round_where_the_reference_stores():

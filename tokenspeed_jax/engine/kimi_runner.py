@@ -117,6 +117,7 @@ from tokenspeed_jax.graph import arrays as device_arrays
 from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
 from tokenspeed_jax.kernels.mla_attention import (
+    MLAKernel,
     choose_mla_kernel,
     mla_decode_step,
     mla_prefill_step,
@@ -165,7 +166,10 @@ class KimiRunner(StepRunner):
         return 0
 
     def __init__(self, model: KimiLinearForCausalLM, config: EngineConfig, num_pages: int,
-                 page_size: int = 16, *, num_state_slots: int = 0) -> None:
+                 page_size: int = 16, *, num_state_slots: int = 0,
+                 mla_kernel: MLAKernel | None = None) -> None:
+        """``mla_kernel``: how MLA attention runs (the tests give the Pallas kernels,
+        interpreted); None = ``choose_mla_kernel`` for JAX's default backend."""
         has_kda = any(layer.kind == KDA for layer in model.layers)
         if num_pages < 1 or page_size < 1 or (has_kda and num_state_slots < 1):
             raise ValueError(f"num_pages={num_pages}, page_size={page_size} and (with KDA "
@@ -185,7 +189,7 @@ class KimiRunner(StepRunner):
         if self.mesh is not None:
             family_of(model.config).place_model(model, self.mesh)
         self.alternate_decode = alternates_decode_executables(config, jax.default_backend())
-        self.mla_kernel = choose_mla_kernel(
+        self.mla_kernel = mla_kernel or choose_mla_kernel(
             kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim, page_size=page_size,
             dtype=self.dtype, mesh=self.mesh)
         layers = list(model.layers)
@@ -462,10 +466,12 @@ class KimiRunner(StepRunner):
     def cache_fingerprint(self) -> str:
         """What the stage functions read besides their arguments, for the executable cache key:
         the model's static structure (config, dtypes), each layer kind's structure, the scale,
-        the flax version, and the bytecode of the runner's and the model's classes."""
+        the MLA kernels, the flax version, and the bytecode of the runner's and the model's
+        classes."""
         classes = [type(self), *self._model_classes]
         return "\n".join([repr(self.model_def), *map(repr, self._graphdefs),
-                          f"scale={self.scale!r}", f"flax={flax.__version__}",
+                          f"scale={self.scale!r}", f"mla_kernel={self.mla_kernel!r}",
+                          f"flax={flax.__version__}",
                           classes_fingerprint(classes, skip_modules=("flax",))])
 
     def _add_plans(self, ladders: LadderCompiler) -> None:

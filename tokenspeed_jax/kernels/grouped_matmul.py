@@ -18,7 +18,8 @@ Two implementations of one function, chosen statically by a ``GroupedMatmulKerne
   see the group boundaries (they are data), so the device first builds a static-size *tile
   schedule* (``tile_schedule``): each group's rows, and the rows past the last group, cut into
   tiles of at most ``block_m`` rows, ``i32[num_tiles, 3]`` = (group, first row, end row). At most
-  ``cdiv(M, block_m) + G`` tiles are needed (``num_tiles``); the unused ones are (-1, 0, 0). One
+  ``cdiv(M, block_m) + min(G, M)`` tiles are needed (``num_tiles``); the unused ones are
+  (-1, 0, 0). One
   program per (tile, block of N columns) loops over K in ``block_k`` steps, the dot of
   ``block_m`` rows read at a dynamic offset kept inside ``[0, M)`` by its group's
   ``[block_k, block_n]`` weight block, and stores only its own rows. A tile of group -1 (rows
@@ -116,9 +117,12 @@ def _precision(dtype: jnp.dtype) -> lax.Precision:
 
 
 def num_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
-    """The static tile count: enough for any sizes. The G groups and the rows past them are at
-    most G + 1 runs adding up to ``num_rows``; each run wastes less than one tile."""
-    return -(-num_rows // block_m) + num_groups
+    """The static tile count: enough for any sizes. The non-empty runs (groups, and the rows
+    past them) add up to ``num_rows`` M, so there are at most min(G + 1, M) of them, and cut
+    into tiles they take at most cdiv(M, block_m) + runs - 1 (each run after the first wastes
+    less than one tile). A few rows among many groups (a decode step's experts) so need a few
+    tiles, not one per group: unused tiles are programs too."""
+    return -(-num_rows // block_m) + min(num_groups, num_rows)
 
 
 def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
