@@ -95,12 +95,11 @@ from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     fast_sample,
     sampling_arrays,
-    sampling_fields,
     step_output,
     unpack_sampling,
 )
 from tokenspeed_jax.engine.step_runner import StepRunner, alternates_decode_executables
-from tokenspeed_jax.engine.token_board import read_tokens, token_rows, write_board
+from tokenspeed_jax.engine.token_board import read_tokens, write_board
 from tokenspeed_jax.graph import (
     Break,
     Call,
@@ -369,55 +368,39 @@ class KimiRunner(StepRunner):
     def step_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
                     num_requests: int) -> tuple[dict, dict, dict]:
         """Host-built (numpy) arrays of one padded group: plan inputs, break metadata, head."""
-        token_ids = np.zeros(num_tokens, np.int32)
-        positions = np.full(num_tokens, -1, np.int32)
-        slots = np.full(num_tokens, -1, np.int32)
-        token_request = np.full(num_tokens, -1, np.int32)
-        page_tables = np.zeros((num_requests, self.pages_per_request), np.int32)
-        total = sum(r.num_tokens for r in requests)
-        cu = np.full(num_requests + 1, total, np.int32)
+        packed = self.pack_tokens(requests, num_tokens, num_requests)
+        cu = np.full(num_requests + 1, sum(r.num_tokens for r in requests), np.int32)
+        cu[:len(requests)] = packed.starts
         kda_slots = np.full(num_requests, -1, np.int32)
         ckpt_offsets = np.zeros(num_requests, np.int32)
         ckpt_slots = np.full(num_requests, -1, np.int32)
         fresh = np.full(num_requests, -1, np.int32)
-        rows, sampled = [], []
-        offset = 0
         for n, request in enumerate(requests):
             self._check_slots(request)
-            span = slice(offset, offset + request.num_tokens)
-            pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
-            table = self.page_table(request)
-            token_ids[span] = request.token_ids
-            positions[span] = pos
-            slots[span] = table[pos // self.page_size] * self.page_size + pos % self.page_size
-            token_request[span] = n
-            page_tables[n, :len(table)] = table
-            cu[n] = offset
             kda_slots[n] = request.state_slot
             if request.start_pos == 0:
                 fresh[n] = request.state_slot
-            if request.checkpoint_slot >= 0:
-                split = checkpoint_split(request.start_pos, request.num_tokens,
-                                         self.config.prefix_granularity)
-                if split % CHUNK_SIZE:
-                    raise ValueError(
-                        f"request {request.request_id}: a checkpoint needs start_pos="
-                        f"{request.start_pos} to be a multiple of the {CHUNK_SIZE}-token chunk")
-                if split:
-                    ckpt_offsets[n], ckpt_slots[n] = split, request.checkpoint_slot
-            offset += request.num_tokens
-            if request.sample:
-                rows.append(offset - 1)
-                sampled.append(request)
-        inputs = {"token_ids": token_ids, "positions": positions, "cu_seqlens": cu,
+            ckpt_offsets[n], ckpt_slots[n] = self._checkpoint(request)
+        inputs = {"token_ids": packed.token_ids, "positions": packed.positions, "cu_seqlens": cu,
                   FRESH: fresh, "kda_slots": kda_slots, "checkpoint_offsets": ckpt_offsets,
                   "checkpoint_slots": ckpt_slots}
-        attention = {"slot_mapping": slots, "token_request": token_request,
-                     "page_tables": page_tables}
-        rows_arr = np.zeros(num_requests, np.int32)
-        rows_arr[:len(rows)] = rows
-        return inputs, attention, {"rows": rows_arr,
-                                   "sampling": sampling_arrays(sampled, num_requests)}
+        attention = {"slot_mapping": packed.slot_mapping, "token_request": packed.token_request,
+                     "page_tables": packed.page_tables}
+        return inputs, attention, {"rows": packed.sampled_rows(num_requests),
+                                   "sampling": sampling_arrays(packed.sampled, num_requests)}
+
+    def _checkpoint(self, request: StepRequest) -> tuple[int, int]:
+        """(tokens scanned before the checkpoint, checkpoint row) of ``request``'s step; (0, -1)
+        when the step stores none (see the invariants)."""
+        if request.checkpoint_slot < 0:
+            return 0, -1
+        split = checkpoint_split(request.start_pos, request.num_tokens,
+                                 self.config.prefix_granularity)
+        if split % CHUNK_SIZE:
+            raise ValueError(
+                f"request {request.request_id}: a checkpoint needs start_pos="
+                f"{request.start_pos} to be a multiple of the {CHUNK_SIZE}-token chunk")
+        return (split, request.checkpoint_slot) if split else (0, -1)
 
     def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
                        num_requests: int) -> tuple[dict, dict, dict]:
@@ -430,15 +413,22 @@ class KimiRunner(StepRunner):
                                              block_q=self.mla_kernel.prefill.block_q)
         return inputs, attention, head
 
-    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
-        """The packed metadata of a decode group padded to ``rows``: its ``step_arrays`` (one
-        token per request), the token rows (the board is the runner's) and the in-step
-        sampler's settings."""
-        inputs, attention, head = self.step_arrays(requests, rows, rows)
-        return Packed.of({**{n: inputs[n] for n in ("token_ids", "positions", *KDA_META)},
-                          "token_rows": token_rows(requests, rows),
-                          "page_tables": attention["page_tables"],
-                          **sampling_fields(head["sampling"])})
+    def _decode_field_defaults(self, rows: int) -> dict[str, np.ndarray]:
+        return {"cu_seqlens": np.zeros(rows + 1, np.int32),
+                "kda_slots": np.full(rows, -1, np.int32),
+                "checkpoint_offsets": np.zeros(rows, np.int32),
+                "checkpoint_slots": np.full(rows, -1, np.int32)}
+
+    def _write_decode_fields(self, fields: dict[str, np.ndarray],
+                             requests: Sequence[StepRequest]) -> None:
+        """The KDA metadata of one token per request: request ``n`` is token ``n``."""
+        count = len(requests)
+        fields["cu_seqlens"][:] = np.minimum(np.arange(len(fields["cu_seqlens"])), count)
+        for n, request in enumerate(requests):
+            self._check_slots(request)
+            fields["kda_slots"][n] = request.state_slot
+            fields["checkpoint_offsets"][n], fields["checkpoint_slots"][n] = self._checkpoint(
+                request)
 
     def decode_caches(self) -> list[jax.Array]:
         """The pools a decode step carries, in ``pools`` order."""

@@ -92,18 +92,16 @@ from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import engine_compiler
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.packed import Packed, PackedBuilder
+from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampling_plans import (
     fast_sample,
     sampling_arrays,
     sampling_fields,
     unpack_sampling,
-    write_sampling_fields,
 )
 from tokenspeed_jax.engine.step_runner import StepRunner, alternates_decode_executables
 from tokenspeed_jax.engine.token_board import (
     read_tokens,
-    token_rows,
     write_board,
 )
 from tokenspeed_jax.graph import (
@@ -321,7 +319,6 @@ class ModelRunner(StepRunner):
         self._build_plans()
         self._encoders: dict[int, CompiledPlan] = {}
         self._decoders: dict[int, CompiledPlan] = {}
-        self._decode_builders: dict[int, PackedBuilder] = {}
 
     # ----------------------------------------------------------------- stage functions
 
@@ -501,74 +498,27 @@ class ModelRunner(StepRunner):
         """
         if num_table_rows is None:
             num_table_rows = self._table_rows(num_tokens)
-        if len(requests) > num_table_rows:
-            raise ValueError(f"{len(requests)} requests exceed num_table_rows={num_table_rows}")
-        token_ids = np.zeros(num_tokens, np.int32)
-        positions = np.full(num_tokens, -1, np.int32)
-        slots = np.full(num_tokens, -1, np.int32)
-        token_request = np.full(num_tokens, -1, np.int32)
-        page_tables = np.zeros((num_table_rows, self.pages_per_request), np.int32)
-        rows = []
-        offset = 0
-        for index, request in enumerate(requests):
-            span = slice(offset, offset + request.num_tokens)
-            pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
-            table = self.page_table(request)
-            token_ids[span] = request.token_ids
-            positions[span] = pos
-            slots[span] = self._slots(table, pos)
-            token_request[span] = index
-            page_tables[index, :len(table)] = table
-            offset += request.num_tokens
-            if request.sample:
-                rows.append(offset - 1)
-        last_rows = np.zeros(num_rows, np.int32)
-        last_rows[:len(rows)] = rows
-        inputs = {"token_ids": token_ids, "positions": positions, "rows": last_rows}
-        fields = {"slot_mapping": slots, "token_request": token_request,
-                  "page_tables": page_tables}
+        packed = self.pack_tokens(requests, num_tokens, num_table_rows)
+        inputs = {"token_ids": packed.token_ids, "positions": packed.positions,
+                  "rows": packed.sampled_rows(num_rows)}
+        fields = {"slot_mapping": packed.slot_mapping, "token_request": packed.token_request,
+                  "page_tables": packed.page_tables}
         if self.prefill_kernel.backend == PALLAS:
-            fields["work"] = prefill_work(token_request, positions, num_rows=num_table_rows,
+            fields["work"] = prefill_work(packed.token_request, packed.positions,
+                                          num_rows=num_table_rows,
                                           block_q=self.prefill_kernel.blocks.block_q)
         return inputs, Packed.of(fields)
 
-    def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+    def _decode_field_defaults(self, rows: int) -> dict[str, np.ndarray]:
+        return {"slot_mapping": np.full(rows, -1, np.int32)}
 
-    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
-        """The packed metadata of one decode group padded to ``rows``: one transfer per step,
-        written into the padding defaults of ``rows``'s builder."""
-        builder = self._decode_builders.get(rows) or self._new_decode_builder(rows)
-        fields = builder.reset()
-        if requests:
-            count = len(requests)
-            page_tables = fields["page_tables"]
-            for row, request in enumerate(requests):
-                table = self.page_table(request)
-                page_tables[row, :len(table)] = table
-            positions = np.array([r.start_pos for r in requests], np.int32)
-            fields["token_ids"][:count] = [r.token_ids[0] for r in requests]
-            fields["token_rows"][:count] = [r.token_row for r in requests]
-            fields["positions"][:count] = positions
-            fields["slot_mapping"][:count] = self._slots_of_rows(page_tables[:count], positions)
-            write_sampling_fields(fields, requests)
-        return builder.take()
-
-    def _new_decode_builder(self, rows: int) -> PackedBuilder:
-        """The builder of ``rows``-row decode metadata, every row a padding row by default."""
-        builder = self._decode_builders[rows] = PackedBuilder(Packed.of({
-            "token_ids": np.zeros(rows, np.int32),
-            "token_rows": token_rows([], rows),
-            "positions": np.full(rows, -1, np.int32),
-            "slot_mapping": np.full(rows, -1, np.int32),
-            "page_tables": np.zeros((rows, self.pages_per_request), np.int32),
-            **sampling_fields(sampling_arrays([], rows))}))
-        return builder
-
-    def _slots_of_rows(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Row ``i``'s slot of ``positions[i]`` in page table ``tables[i]``."""
-        pages = tables[np.arange(len(positions)), positions // self.page_size]
-        return pages * self.page_size + positions % self.page_size
+    def _write_decode_fields(self, fields: dict[str, np.ndarray],
+                             requests: Sequence[StepRequest]) -> None:
+        """Each decode row's slot: where the step writes its K/V."""
+        count = len(requests)
+        positions = fields["positions"][:count]
+        pages = fields["page_tables"][np.arange(count), positions // self.page_size]
+        fields["slot_mapping"][:count] = pages * self.page_size + positions % self.page_size
 
     def encoder(self, tokens: int) -> CompiledPlan:
         """The compiled prefill encoder plan of a token bucket."""

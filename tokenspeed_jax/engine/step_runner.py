@@ -10,8 +10,9 @@ A family's runner subclasses ``StepRunner`` and supplies the routes:
   (deferred plans compile in that order; the decode plans through ``_add_decode_plans``), and
   ``cache_fingerprint()``: what its stage functions read besides their arguments, for the
   executable cache key;
-* the decode graph's family parts: ``_decode_meta(requests, rows)``, the packed metadata of a
-  decode group padded to ``rows``, and ``decode_caches()`` / ``adopt_decode_caches(arrays)``,
+* the decode graph's family parts: ``_decode_field_defaults(rows)`` and
+  ``_write_decode_fields(fields, requests)``, its own fields of the packed decode metadata
+  (``_decode_meta`` writes the common ones), and ``decode_caches()`` / ``adopt_decode_caches(arrays)``,
   the cache arrays a decode step carries (donated) and takes back, in the decode plan's order;
   ``_prepare_decode(requests)`` runs before a decode step (nothing by default).
 
@@ -42,6 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import logging
 import math
@@ -57,19 +59,50 @@ from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.compilers import ladder_compiler
 from tokenspeed_jax.engine.decode_turns import DecodeSlot, DecodeTurns, sampled_buffer_spec
 from tokenspeed_jax.engine.ladders import LadderCompiler
-from tokenspeed_jax.engine.packed import Packed
+from tokenspeed_jax.engine.packed import Packed, PackedBuilder
 from tokenspeed_jax.engine.runner_stats import new_counters, runner_stats
-from tokenspeed_jax.engine.sampling_plans import Resampler, run_step
+from tokenspeed_jax.engine.sampling_plans import (
+    Resampler,
+    run_step,
+    sampling_arrays,
+    sampling_fields,
+    write_sampling_fields,
+)
 from tokenspeed_jax.engine.token_board import (
     board_rows,
     can_stay_on_board,
     check_no_token_rows,
     new_board,
     pending_decode,
+    token_rows,
 )
 from tokenspeed_jax.graph import CompiledPlan, CompileGuard, CompileSummary, Plan, abstract
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedTokens:
+    """The host arrays of one group of requests packed token after token (``pack_tokens``):
+    ``[T]`` token ids, positions, slots (page * page_size + row) and each token's request, the
+    requests' page tables (one row each, zero-padded), each request's first token, and the last
+    token of each request that samples, in order. Padding tokens have position, slot and
+    request -1."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    token_request: np.ndarray
+    page_tables: np.ndarray
+    starts: np.ndarray
+    last_rows: np.ndarray
+    sampled: list[StepRequest]
+
+    def sampled_rows(self, rows: int) -> np.ndarray:
+        """``last_rows`` padded with zeros to ``rows``."""
+        padded = np.zeros(rows, np.int32)
+        padded[:len(self.last_rows)] = self.last_rows
+        return padded
 
 
 def alternates_decode_executables(config: EngineConfig, platform: str) -> bool:
@@ -96,6 +129,7 @@ class StepRunner(abc.ABC):
         self.resampler = Resampler(self.model_config.vocab_size)
         self.counters = new_counters()
         self._decode_turns: dict[int, DecodeTurns] = {}
+        self._decode_builders: dict[int, PackedBuilder] = {}
         self.ladders: LadderCompiler | None = None  # set by compile_all
         self.compiled = False
 
@@ -133,6 +167,41 @@ class StepRunner(abc.ABC):
                 f">= {needed} and at most {self.pages_per_request} (max_model_len="
                 f"{self.config.max_model_len}, page_size={self.page_size})")
         return table
+
+    def slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The cache slots of ``positions`` in page table ``table``."""
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def pack_tokens(self, requests: Sequence[StepRequest], num_tokens: int,
+                    num_rows: int) -> PackedTokens:
+        """``requests`` packed token after token into ``num_tokens`` tokens, with ``num_rows``
+        page-table rows (``PackedTokens``); each page table checked (``page_table``)."""
+        if len(requests) > num_rows:
+            raise ValueError(f"{len(requests)} requests exceed num_table_rows={num_rows}")
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.full(num_tokens, -1, np.int32)
+        slots = np.full(num_tokens, -1, np.int32)
+        token_request = np.full(num_tokens, -1, np.int32)
+        page_tables = np.zeros((num_rows, self.pages_per_request), np.int32)
+        starts = np.zeros(len(requests), np.int32)
+        last_rows, sampled = [], []
+        offset = 0
+        for index, request in enumerate(requests):
+            span = slice(offset, offset + request.num_tokens)
+            pos = np.arange(request.start_pos, request.end_pos, dtype=np.int32)
+            table = self.page_table(request)
+            token_ids[span] = request.token_ids
+            positions[span] = pos
+            slots[span] = self.slots(table, pos)
+            token_request[span] = index
+            page_tables[index, :len(table)] = table
+            starts[index] = offset
+            offset += request.num_tokens
+            if request.sample:
+                last_rows.append(offset - 1)
+                sampled.append(request)
+        return PackedTokens(token_ids, positions, slots, token_request, page_tables, starts,
+                            np.array(last_rows, np.int32), sampled)
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Run one engine step; one sampled token per request with ``sample`` set, in order."""
@@ -219,10 +288,47 @@ class StepRunner(abc.ABC):
     def _prepare_decode(self, requests: Sequence[StepRequest]) -> None:
         """What must run before a decode step of ``requests`` (module docstring)."""
 
+    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed:
+        """The packed metadata of one decode group padded to ``rows``: one transfer per step,
+        written into the padding defaults of ``rows``'s builder. Every family's decode step
+        reads the token ids, the token rows, the positions, the page tables and the in-step
+        sampler's settings; ``_write_decode_fields`` adds the family's own fields."""
+        builder = self._decode_builders.get(rows) or self._new_decode_builder(rows)
+        fields = builder.reset()
+        if requests:
+            count = len(requests)
+            page_tables = fields["page_tables"]
+            for row, request in enumerate(requests):
+                table = self.page_table(request)
+                page_tables[row, :len(table)] = table
+            fields["token_ids"][:count] = [r.token_ids[0] for r in requests]
+            fields["token_rows"][:count] = [r.token_row for r in requests]
+            fields["positions"][:count] = [r.start_pos for r in requests]
+            write_sampling_fields(fields, requests)
+            self._write_decode_fields(fields, requests)
+        return builder.take()
+
+    def _new_decode_builder(self, rows: int) -> PackedBuilder:
+        """The builder of ``rows``-row decode metadata, every row a padding row by default."""
+        builder = self._decode_builders[rows] = PackedBuilder(Packed.of({
+            "token_ids": np.zeros(rows, np.int32),
+            "token_rows": token_rows([], rows),
+            "positions": np.full(rows, -1, np.int32),
+            **self._decode_field_defaults(rows),
+            "page_tables": np.zeros((rows, self.pages_per_request), np.int32),
+            **sampling_fields(sampling_arrays([], rows))}))
+        return builder
+
     # ----------------------------------------------------------------- the family's routes
 
     @abc.abstractmethod
-    def _decode_meta(self, requests: Sequence[StepRequest], rows: int) -> Packed: ...
+    def _decode_field_defaults(self, rows: int) -> dict[str, np.ndarray]:
+        """The family's own decode metadata fields of ``rows`` padding rows."""
+
+    @abc.abstractmethod
+    def _write_decode_fields(self, fields: dict[str, np.ndarray],
+                             requests: Sequence[StepRequest]) -> None:
+        """Write the family's own decode fields of ``requests`` (the common ones written)."""
 
     @abc.abstractmethod
     def decode_caches(self) -> list[jax.Array]: ...
