@@ -43,8 +43,8 @@ is then built like ``ModelRunner``: ``(model, config, num_pages, page_size)``).
 Tensor parallelism (``tensor_parallel_size`` > 1): the weights are placed with the family's
 ``place_model``, the pools as the family's ``cache_pools`` declare them (state and conv rows
 split by head, latent pages replicated); every executable is compiled over the mesh with the
-hand-off values' shardings of ``kimi_linear.sharding.plan_value_shardings``, and the pieces run
-the KDA kernels and the routed experts per shard (``shard_map``).
+hand-off values' shardings the family declares (``Family.plan_value_shardings``), and the pieces
+run the KDA kernels and the routed experts per shard (``shard_map``).
 
 Invariants:
 
@@ -125,7 +125,6 @@ from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
 from tokenspeed_jax.kernels.paged_prefill_attention import prefill_work
 from tokenspeed_jax.models.cache_spec import PAGE, SLOT, pool_specs
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
-from tokenspeed_jax.models.kimi_linear import sharding as kimi_sharding
 from tokenspeed_jax.models.kimi_linear.layers import KdaImpl, KdaMeta, kda_core
 from tokenspeed_jax.models.mla import write_latent
 from tokenspeed_jax.models.registry import family_of
@@ -467,8 +466,9 @@ class KimiRunner(StepRunner):
     def _add_plans(self, ladders: LadderCompiler) -> None:
         """Every bucket plan: per decode executable the decode step, its board head and
         resamplers; the restore; per prefill shape its routes' plans, head and resamplers."""
-        shardings = {} if self.mesh is None else kimi_sharding.plan_value_shardings(
-            self.mesh, list(self.pools))
+        shardings = {} if self.mesh is None else family_of(
+            self.model_config).plan_value_shardings(self.model_config, self.mesh,
+                                                    list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.

@@ -132,7 +132,6 @@ from tokenspeed_jax.kernels.paged_prefill_attention import (
     prefill_work,
 )
 from tokenspeed_jax.models.cache_spec import PAGE, pool_specs
-from tokenspeed_jax.models.llama import sharding as llama_sharding
 from tokenspeed_jax.models.registry import family_of
 
 logger = logging.getLogger(__name__)
@@ -539,8 +538,8 @@ class ModelRunner(StepRunner):
         """Every bucket plan: the decode step and its resamplers per decode executable, the
         head and its resamplers per request bucket, the encoder per token bucket."""
         caches = self._cache_specs()
-        shardings = {} if self.mesh is None else llama_sharding.plan_value_shardings(
-            self.model_config, self.mesh, list(caches))
+        shardings = {} if self.mesh is None else family_of(
+            self.model_config).plan_value_shardings(self.model_config, self.mesh, list(caches))
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.

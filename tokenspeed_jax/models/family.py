@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -68,6 +68,9 @@ class Family:
     # (config, page_size, dtype, state_dtype, tensor_parallel_size) -> the cache's pools
     # (``cache_spec``): page and state-row bytes and the runner's arrays all come from them
     cache_pools: Callable[[Any, int, Any, Any, int], list[CachePool]]
+    # (config, mesh, cache names) -> {plan value name: sharding} of the runner's plans under
+    # tensor parallelism: the hand-off values split by head and every named cache
+    plan_value_shardings: Callable[[Any, Mesh, Sequence[str]], Mapping[str, NamedSharding]]
     runner: str
     reference: str
     # whether each running request also holds a row of recurrent state (``SLOT`` pools)

@@ -60,6 +60,7 @@ FAMILY = Family(
     # the same latent attention and MoE modules as Kimi Linear's MLA layers (``sharding``)
     param_spec=latent_sharding.param_spec,
     cache_pools=cache_pools,
+    plan_value_shardings=latent_sharding.plan_value_shardings,
     runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
 )

@@ -58,6 +58,7 @@ FAMILY = Family(
     check_split=sharding.check_split,
     param_spec=sharding.param_spec,
     cache_pools=cache_pools,
+    plan_value_shardings=sharding.plan_value_shardings,
     has_recurrent_state=True,
     runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
     reference="tokenspeed_jax.hybrid_reference:HybridReferenceGenerator",

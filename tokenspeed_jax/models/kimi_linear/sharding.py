@@ -88,11 +88,13 @@ def pool_sharding(name: str, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, pool_spec(name))
 
 
-def plan_value_shardings(mesh: Mesh, pool_names: Sequence[str]) -> dict[str, NamedSharding]:
+def plan_value_shardings(config: Any, mesh: Mesh, pool_names: Sequence[str]
+                         ) -> dict[str, NamedSharding]:
     """Plan value name -> sharding for the runner's plans: the per-head hand-off values (KDA q,
     k, v, g, gate ``[T, H, K]``, beta ``[T, H]``, o ``[T, H, V]``; MLA q_lat, attn
     ``[T, H, .]``) and every pool in ``pool_names``. The rest (hidden, latent rows) is
-    replicated."""
+    replicated. ``config`` is not read: every family's rule takes it (``Family``)."""
+    del config
     heads = NamedSharding(mesh, head_spec(3))
     return {**dict.fromkeys(("q", "k", "v", "g", "gate", "o", "q_lat", "attn"), heads),
             "beta": NamedSharding(mesh, head_spec(2)),

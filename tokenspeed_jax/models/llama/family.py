@@ -44,6 +44,7 @@ FAMILY = Family(
     check_split=sharding.check_split,
     param_spec=sharding.param_spec,
     cache_pools=cache_pools,
+    plan_value_shardings=sharding.plan_value_shardings,
     runner="tokenspeed_jax.engine.model_runner:ModelRunner",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
     gguf=GGUFReader(config=gguf.config_from_gguf, tensors=gguf.iter_gguf_tensors),
