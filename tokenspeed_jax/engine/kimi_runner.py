@@ -231,6 +231,7 @@ class KimiRunner(StepRunner):
         decode = Break("decode", self._decode_step, carried, decoded, donate=carried)
         self.decode_plan = Plan([Call(decode, (self.outer_state, tuple(self.layer_states)))],
                                 carried, decoded)
+        self.plans["decode"] = self.decode_plan  # one call: the whole step
         self._compiled: dict[tuple, CompiledPlan] = {}
 
     # ----------------------------------------------------------------- pieces
