@@ -58,7 +58,9 @@ Invariants:
 * Restores: a request with ``restore_slot >= 0`` has that row's KDA and conv states copied into
   its ``state_slot`` (one compiled ``restore`` executable, pools donated) before its step runs.
 * Per-request KDA metadata (``cu_seqlens``, slots, checkpoint offsets and slots) travels as plan
-  inputs (segments read it); break metadata (page tables, slot mappings) as break metadata.
+  inputs of the prefill routes (segments read it), their attention's (page tables, slot
+  mappings, kernel work items) as break metadata; a decode step's all travels in its one packed
+  buffer.
 * Sampling is two-tier as in ``ModelRunner`` (``sampling_plans``): the head ends with the in-step
   sampler, and the ``Resampler`` samples again the rows of a step whose requests need penalties,
   truncation or top log-probabilities.

@@ -1,5 +1,6 @@
-"""What every model runner shares: the ready buckets, page-table checks, ``launch`` and ``step``
-around the token board, and one counter vocabulary (``runner_stats``).
+"""What every model runner shares: the ready buckets, page-table checks, the host arrays of a
+packed group of tokens (``pack_tokens``), the decode graph, ``launch`` and ``step`` around the
+token board, and one counter vocabulary (``runner_stats``).
 
 A family's runner subclasses ``StepRunner`` and supplies the routes:
 
@@ -12,9 +13,10 @@ A family's runner subclasses ``StepRunner`` and supplies the routes:
   executable cache key;
 * the decode graph's family parts: ``_decode_field_defaults(rows)`` and
   ``_write_decode_fields(fields, requests)``, its own fields of the packed decode metadata
-  (``_decode_meta`` writes the common ones), and ``decode_caches()`` / ``adopt_decode_caches(arrays)``,
-  the cache arrays a decode step carries (donated) and takes back, in the decode plan's order;
-  ``_prepare_decode(requests)`` runs before a decode step (nothing by default).
+  (``_decode_meta`` writes the common ones), and ``decode_caches()`` /
+  ``adopt_decode_caches(arrays)``, the cache arrays a decode step carries (donated) and takes
+  back, in the decode plan's order; ``_prepare_decode(requests)`` runs before a decode step
+  (nothing by default).
 
 and sets, in its constructor, the attributes read here: ``config``, ``model_config``,
 ``buckets``, ``mesh``, ``page_size``, ``pages_per_request`` and ``alternate_decode``, then calls
