@@ -347,6 +347,27 @@ def test_routes_and_fallbacks(runner):
     assert runner.route(three) == "eager"
 
 
+def test_a_decode_step_past_the_largest_bucket_runs_in_bucket_groups(runner):
+    """Three decode requests with a largest decode bucket of 2 run on the decode executables as
+    two groups (counted as a decode split), with the tokens and pools of the eager reference
+    step of all three."""
+    long, short = prompts(7)
+    prefill = [request("a", long[:-1], 0, 0, slot=1), request("b", short[:-1], 0, 8, slot=3),
+               request("c", short[:19], 0, 16, slot=5)]
+    _, after = run(runner, noisy_pools(runner, 11), "eager", prefill)
+    decode = [request("a", long[-1:], 69, 0, slot=1), request("b", short[-1:], 39, 8, slot=3),
+              request("c", short[19:20], 19, 16, slot=5)]
+    assert runner.route(decode) == "decode" and runner.buckets.decode_requests[-1] == 2
+    before = runner.stats()
+    stepped = run(runner, after, "step", decode)
+    after_stats = runner.stats()
+    assert after_stats["decode_splits"] - before["decode_splits"] == 1
+    assert after_stats["decode_runs"] - before["decode_runs"] == 2
+    assert after_stats["eager_runs"] == before["eager_runs"]
+    assert_same(stepped, run(runner, after, "eager", decode))
+    assert runner.stats()["runtime_compiles"] == 0
+
+
 def test_checkpoint_split_of_two_extends_at_granularity_128():
     splits = [checkpoint_split(0, n, 128) for n in (868, 869)]
     assert splits == [768, 768]

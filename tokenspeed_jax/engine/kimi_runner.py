@@ -20,7 +20,8 @@ segments with the same pieces and wiring are one executable. Routes per step:
   whose ``StepRequest.token_row`` is set takes its input token from the previous decode step's
   board, so ``launch`` can leave a decode step running and the engine can launch the next one
   before the tokens reach the host. Its metadata is one packed buffer; the pools, the board and
-  the turn's sampled-rows buffer are donated.
+  the turn's sampled-rows buffer are donated. A decode step of more requests than the largest
+  decode bucket runs as bucket-sized groups (counted as ``decode_splits``).
 * **eager**: any plan op by op (``run_eager``), the reference the compiled routes match.
 
 A mixed step (some requests decode, others prefill) runs as two, its decode rows on the decode
@@ -531,7 +532,7 @@ class KimiRunner(StepRunner):
     def route(self, requests: Sequence[StepRequest]) -> str:
         """The route a step takes (see the module docstring)."""
         decode = all(r.num_tokens == 1 and r.sample and r.start_pos > 0 for r in requests)
-        if decode and choose_bucket(self.buckets.decode_requests, len(requests)) is not None:
+        if decode and self.buckets.decode_requests:
             return "decode"
         total = sum(r.num_tokens for r in requests)
         fits = (choose_bucket(self.buckets.tokens, total) is not None
@@ -544,13 +545,16 @@ class KimiRunner(StepRunner):
         return "inline"
 
     def _on_decode_graph(self, batch: StepBatch) -> bool:
-        return self.route(batch.requests) == "decode"
+        return (self.route(batch.requests) == "decode"
+                and len(batch.requests) <= self.buckets.decode_requests[-1])
 
     def _run(self, requests: Sequence[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route they take."""
         route = self.route(requests)
         if route == "eager":
             return [self._eager_rows(requests, "ordinary")]
+        if route == "decode":
+            return self._run_decode_groups(list(requests))
         return [self._compiled_rows(route, requests)]
 
     def _prepare_decode(self, requests: Sequence[StepRequest]) -> None:
@@ -568,13 +572,13 @@ class KimiRunner(StepRunner):
 
     def run_compiled(self, route: str, requests: Sequence[StepRequest]) -> StepOutput:
         """A step on the compiled plan of ``route`` ("inline", "ordinary" or "decode")."""
+        if route == "decode":
+            return step_output(self._run_decode_groups(list(requests)))
         return step_output([self._compiled_rows(route, requests)])
 
     def _compiled_rows(self, route: str, requests: Sequence[StepRequest]) -> np.ndarray:
-        """The packed sampled rows of a step on the compiled plans of ``route``: the decode
-        executable, or a prefill route's plan and its head (keeping the pools)."""
-        if route == "decode":
-            return self._run_decode(list(requests))
+        """The packed sampled rows of a step on a prefill route's compiled plan and its head
+        (keeping the pools)."""
         total = sum(r.num_tokens for r in requests)
         tokens, rows = self.bucket(route, requests)
         inputs, attention, head = self.prefill_arrays(requests, tokens, rows)

@@ -572,10 +572,7 @@ class ModelRunner(StepRunner):
     def _run(self, requests: list[StepRequest]) -> list[np.ndarray]:
         """The packed sampled rows of ``requests`` on the route their shape takes."""
         if StepBatch(requests).is_decode and self.buckets.decode_requests:
-            largest = self.buckets.decode_requests[-1]
-            groups = [requests[i:i + largest] for i in range(0, len(requests), largest)]
-            self.counters["decode_splits"] += len(groups) - 1
-            return [self._run_decode(group) for group in groups]
+            return self._run_decode_groups(requests)
         if self.buckets.tokens:
             return self._run_prefill_graph(requests)
         return [self._run_eager(requests)]

@@ -6,7 +6,7 @@ A family's runner subclasses ``StepRunner`` and supplies the routes:
 
 * ``_on_decode_graph(batch)``: whether the step runs on a compiled decode executable;
 * ``_run(requests)``: the packed sampled rows of any step, on the route its shape takes (with
-  mixed steps already split by ``run_step``; its decode groups through ``_run_decode``);
+  mixed steps already split by ``run_step``; its decode steps through ``_run_decode_groups``);
 * ``_add_plans(ladders)``: register every bucket plan with the ``LadderCompiler``, rung by rung
   (deferred plans compile in that order; the decode plans through ``_add_decode_plans``), and
   ``cache_fingerprint()``: what its stage functions read besides their arguments, for the
@@ -266,6 +266,14 @@ class StepRunner(abc.ABC):
         out, _, slot = self._decode(requests)
         slot.pending = pending_decode(out["sampled"], len(requests))
         return slot.pending
+
+    def _run_decode_groups(self, requests: list[StepRequest]) -> list[np.ndarray]:
+        """The packed sampled rows of a decode step on the decode executables, cut into groups
+        of the largest decode bucket (the extra groups counted as ``decode_splits``)."""
+        largest = self.buckets.decode_requests[-1]
+        groups = [requests[i:i + largest] for i in range(0, len(requests), largest)]
+        self.counters["decode_splits"] += len(groups) - 1
+        return [self._run_decode(group) for group in groups]
 
     def _run_decode(self, requests: list[StepRequest]) -> np.ndarray:
         """The packed sampled rows of a decode group on its decode executable."""
