@@ -81,7 +81,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,7 +115,6 @@ from tokenspeed_jax.graph import (
     run_eager,
 )
 from tokenspeed_jax.graph import arrays as device_arrays
-from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.kda_ref import CHUNK_SIZE
 from tokenspeed_jax.kernels.mla_attention import (
     MLAKernel,
@@ -461,15 +459,12 @@ class KimiRunner(StepRunner):
         the model's static structure (config, dtypes), each layer kind's structure, the scale,
         the MLA kernels, the flax version, and the bytecode of the runner's and the model's
         classes."""
-        classes = [type(self), *self._model_classes]
-        return "\n".join([repr(self.model_def), *map(repr, self._graphdefs),
-                          f"scale={self.scale!r}", f"mla_kernel={self.mla_kernel!r}",
-                          f"flax={flax.__version__}",
-                          classes_fingerprint(classes, skip_modules=("flax",))])
+        return self._fingerprint(repr(self.model_def), *map(repr, self._graphdefs),
+                                 f"scale={self.scale!r}", f"mla_kernel={self.mla_kernel!r}")
 
     def _add_plans(self, ladders: LadderCompiler) -> None:
-        """Every bucket plan: per decode executable the decode step, its board head and
-        resamplers; the restore; per prefill shape its routes' plans, head and resamplers."""
+        """Every bucket plan: per decode executable the decode step and its resamplers; the
+        restore; per prefill shape its routes' plans, head and resamplers."""
         shardings = {} if self.mesh is None else family_of(
             self.model_config).plan_value_shardings(self.model_config, self.mesh,
                                                     list(self.pools))

@@ -80,7 +80,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,7 +116,6 @@ from tokenspeed_jax.graph import (
     run_eager,
 )
 from tokenspeed_jax.graph import arrays as device_arrays
-from tokenspeed_jax.graph.cache import classes_fingerprint
 from tokenspeed_jax.kernels.attention import write_kv
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
@@ -527,12 +525,9 @@ class ModelRunner(StepRunner):
         """What the stage functions read besides their arguments, for the executable cache key:
         the model's static structure and attributes (config, dtypes, eps), the scale, the flax
         version, and the bytecode of the runner's and the model's classes."""
-        classes = [type(self), *self._model_classes]
-        return "\n".join([repr(self.model_def), repr(self.layer_def), f"scale={self.scale!r}",
-                          f"decode_kernel={self.decode_kernel!r}",
-                          f"prefill_kernel={self.prefill_kernel!r}",
-                          f"flax={flax.__version__}",
-                          classes_fingerprint(classes, skip_modules=("flax",))])
+        return self._fingerprint(repr(self.model_def), repr(self.layer_def),
+                                 f"scale={self.scale!r}", f"decode_kernel={self.decode_kernel!r}",
+                                 f"prefill_kernel={self.prefill_kernel!r}")
 
     def _add_plans(self, ladders: LadderCompiler) -> None:
         """Every bucket plan: the decode step and its resamplers per decode executable, the

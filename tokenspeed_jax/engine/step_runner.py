@@ -19,7 +19,8 @@ A family's runner subclasses ``StepRunner`` and supplies the routes:
   (nothing by default).
 
 and sets, in its constructor, the attributes read here: ``config``, ``model_config``,
-``buckets``, ``mesh``, ``page_size``, ``pages_per_request`` and ``alternate_decode``, then calls
+``buckets``, ``mesh``, ``page_size``, ``pages_per_request``, ``alternate_decode`` and
+``_model_classes`` (the classes of the model's modules), then calls
 ``_init_step_state()``, which sets the rest the same way for every family: the compile guard,
 the token board, the resampler, the counters, the decode turns, ``ladders`` (None until
 ``compile_all``) and ``compiled``.
@@ -52,6 +53,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 import numpy as np
 
@@ -79,6 +81,7 @@ from tokenspeed_jax.engine.token_board import (
     token_rows,
 )
 from tokenspeed_jax.graph import CompiledPlan, CompileGuard, CompileSummary, Plan, abstract
+from tokenspeed_jax.graph.cache import classes_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +229,14 @@ class StepRunner(abc.ABC):
         check_no_token_rows(requests)
         return PendingStep.done(run_step(requests, self._run, counters=self.counters,
                                          split_mixed=bool(self.buckets.decode_requests)))
+
+    def _fingerprint(self, *parts: str) -> str:
+        """The executable cache key's fingerprint of a runner: ``parts`` (what the family's stage
+        functions read besides their arguments), the flax version, and the bytecode of the
+        runner's and the model's classes (``_model_classes``)."""
+        classes = [type(self), *self._model_classes]
+        return "\n".join([*parts, f"flax={flax.__version__}",
+                          classes_fingerprint(classes, skip_modules=("flax",))])
 
     def stats(self) -> dict[str, float]:
         """Runtime compiles, route counts and padding waste since start-up; buckets ready
