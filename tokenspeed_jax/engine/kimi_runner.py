@@ -368,7 +368,8 @@ class KimiRunner(StepRunner):
 
     def step_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
                     num_requests: int) -> tuple[dict, dict, dict]:
-        """Host-built (numpy) arrays of one padded group: plan inputs, break metadata, head."""
+        """Host-built (numpy) arrays of one padded prefill group: plan inputs, break metadata
+        (with the work items of the Pallas MLA prefill kernel when that runs), head."""
         packed = self.pack_tokens(requests, num_tokens, num_requests)
         cu = np.full(num_requests + 1, sum(r.num_tokens for r in requests), np.int32)
         cu[:len(requests)] = packed.starts
@@ -387,6 +388,10 @@ class KimiRunner(StepRunner):
                   "checkpoint_slots": ckpt_slots}
         attention = {"slot_mapping": packed.slot_mapping, "token_request": packed.token_request,
                      "page_tables": packed.page_tables}
+        if self.mla_kernel.backend == PALLAS:
+            attention["work"] = prefill_work(packed.token_request, packed.positions,
+                                             num_rows=num_requests,
+                                             block_q=self.mla_kernel.prefill.block_q)
         return inputs, attention, {"rows": packed.sampled_rows(num_requests),
                                    "sampling": sampling_arrays(packed.sampled, num_requests)}
 
@@ -402,17 +407,6 @@ class KimiRunner(StepRunner):
                 f"request {request.request_id}: a checkpoint needs start_pos="
                 f"{request.start_pos} to be a multiple of the {CHUNK_SIZE}-token chunk")
         return (split, request.checkpoint_slot) if split else (0, -1)
-
-    def prefill_arrays(self, requests: Sequence[StepRequest], num_tokens: int,
-                       num_requests: int) -> tuple[dict, dict, dict]:
-        """``step_arrays`` of a prefill group, its break metadata with the work items of the
-        Pallas MLA prefill kernel when that runs."""
-        inputs, attention, head = self.step_arrays(requests, num_tokens, num_requests)
-        if self.mla_kernel.backend == PALLAS:
-            attention["work"] = prefill_work(attention["token_request"], inputs["positions"],
-                                             num_rows=num_requests,
-                                             block_q=self.mla_kernel.prefill.block_q)
-        return inputs, attention, head
 
     def _decode_field_defaults(self, rows: int) -> dict[str, np.ndarray]:
         return {"cu_seqlens": np.zeros(rows + 1, np.int32),
@@ -465,9 +459,7 @@ class KimiRunner(StepRunner):
     def _add_plans(self, ladders: LadderCompiler) -> None:
         """Every bucket plan: per decode executable the decode step and its resamplers; the
         restore; per prefill shape its routes' plans, head and resamplers."""
-        shardings = {} if self.mesh is None else family_of(
-            self.model_config).plan_value_shardings(self.model_config, self.mesh,
-                                                    list(self.pools))
+        shardings = self._value_shardings(list(self.pools))
         pools = abstract(self.pools)
         hidden_size = self.model_config.hidden_size
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.
@@ -483,8 +475,7 @@ class KimiRunner(StepRunner):
         routes = ["ordinary"] if self.config.disable_kda_prefill_graph else ["inline", "ordinary"]
         for tokens, requests in self._prefill_shapes(ladders.skeleton):
             needed_by = self._rungs_needing(tokens, requests, ladders.skeleton)
-            inputs, attention, head = (abstract(m) for m in self.prefill_arrays([], tokens,
-                                                                                   requests))
+            inputs, attention, head = (abstract(m) for m in self.step_arrays([], tokens, requests))
             for route in routes:
                 ladders.add(needed_by, f"{route} T={tokens} N={requests}",
                             self._store((route, tokens, requests)), self.plans[route],
@@ -548,35 +539,36 @@ class KimiRunner(StepRunner):
         route = self.route(requests)
         if route == "eager":
             return [self._eager_rows(requests, "ordinary")]
-        if route == "decode":
-            return self._run_decode_groups(list(requests))
-        return [self._compiled_rows(route, requests)]
+        return self._compiled_route_rows(route, requests)
 
     def _prepare_decode(self, requests: Sequence[StepRequest]) -> None:
         self.restore(requests)
 
     def bucket(self, route: str, requests: Sequence[StepRequest]) -> tuple[int, int]:
-        """(tokens, requests): the ready bucket of the executable a compiled step on ``route``
-        runs. A prefill shape holds at most as many requests as tokens."""
+        """(tokens, requests): the ready bucket of the executable a compiled step on prefill
+        route ``route`` runs. A prefill shape holds at most as many requests as tokens."""
         ready = self.ready
-        if route == "decode":
-            rows = ready.decode_rows(len(requests))
-            return rows, rows
         rows = choose_bucket(ready.prefill_requests, len(requests))
         return choose_bucket(ready.tokens, max(sum(r.num_tokens for r in requests), rows)), rows
 
     def run_compiled(self, route: str, requests: Sequence[StepRequest]) -> StepOutput:
         """A step on the compiled plan of ``route`` ("inline", "ordinary" or "decode")."""
+        return step_output(self._compiled_route_rows(route, requests))
+
+    def _compiled_route_rows(self, route: str, requests: Sequence[StepRequest]
+                             ) -> list[np.ndarray]:
+        """The packed sampled rows of a step on the compiled plans of ``route``: the decode
+        executables in bucket groups, or a prefill route's plan."""
         if route == "decode":
-            return step_output(self._run_decode_groups(list(requests)))
-        return step_output([self._compiled_rows(route, requests)])
+            return self._run_decode_groups(list(requests))
+        return [self._compiled_rows(route, requests)]
 
     def _compiled_rows(self, route: str, requests: Sequence[StepRequest]) -> np.ndarray:
         """The packed sampled rows of a step on a prefill route's compiled plan and its head
         (keeping the pools)."""
         total = sum(r.num_tokens for r in requests)
         tokens, rows = self.bucket(route, requests)
-        inputs, attention, head = self.prefill_arrays(requests, tokens, rows)
+        inputs, attention, head = self.step_arrays(requests, tokens, rows)
         self.restore(requests)
         self.counters["prefill_runs"] += 1
         if route == "ordinary":
@@ -602,7 +594,7 @@ class KimiRunner(StepRunner):
         self.counters["real_tokens"] += total
         if plan == "decode":
             return self._eager_decode_rows(requests)
-        inputs, attention, head = self.prefill_arrays(requests, total, len(requests))
+        inputs, attention, head = self.step_arrays(requests, total, len(requests))
         self.restore(requests)
         num_sampled = sum(r.sample for r in requests)
         with self.guard.allowed("Kimi eager forward"):

@@ -533,8 +533,7 @@ class ModelRunner(StepRunner):
         """Every bucket plan: the decode step and its resamplers per decode executable, the
         head and its resamplers per request bucket, the encoder per token bucket."""
         caches = self._cache_specs()
-        shardings = {} if self.mesh is None else family_of(
-            self.model_config).plan_value_shardings(self.model_config, self.mesh, list(caches))
+        shardings = self._value_shardings(list(caches))
         hidden_dtype = self.k_pages[0].dtype
         hidden_size = self.model_config.hidden_size
         # Added rung by rung, each rung's plans together: deferred plans compile in this order.

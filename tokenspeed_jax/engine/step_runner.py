@@ -82,6 +82,7 @@ from tokenspeed_jax.engine.token_board import (
 )
 from tokenspeed_jax.graph import CompiledPlan, CompileGuard, CompileSummary, Plan, abstract
 from tokenspeed_jax.graph.cache import classes_fingerprint
+from tokenspeed_jax.models.registry import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,14 @@ class StepRunner(abc.ABC):
         check_no_token_rows(requests)
         return PendingStep.done(run_step(requests, self._run, counters=self.counters,
                                          split_mixed=bool(self.buckets.decode_requests)))
+
+    def _value_shardings(self, cache_names: Sequence[str]) -> Mapping[str, Any]:
+        """The plans' value shardings over the mesh, as the family declares them for its hand-off
+        values and the caches ``cache_names`` (none without a mesh)."""
+        if self.mesh is None:
+            return {}
+        return family_of(self.model_config).plan_value_shardings(self.model_config, self.mesh,
+                                                                 cache_names)
 
     def _fingerprint(self, *parts: str) -> str:
         """The executable cache key's fingerprint of a runner: ``parts`` (what the family's stage
