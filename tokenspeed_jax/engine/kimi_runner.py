@@ -123,7 +123,6 @@ from tokenspeed_jax.kernels.mla_attention import (
     mla_prefill_step,
 )
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
-from tokenspeed_jax.kernels.paged_prefill_attention import prefill_work
 from tokenspeed_jax.models.cache_spec import PAGE, SLOT, pool_specs
 from tokenspeed_jax.models.kimi_linear import KDA, KimiLinearForCausalLM
 from tokenspeed_jax.models.kimi_linear.layers import KdaImpl, KdaMeta, kda_core
@@ -386,12 +385,8 @@ class KimiRunner(StepRunner):
         inputs = {"token_ids": packed.token_ids, "positions": packed.positions, "cu_seqlens": cu,
                   FRESH: fresh, "kda_slots": kda_slots, "checkpoint_offsets": ckpt_offsets,
                   "checkpoint_slots": ckpt_slots}
-        attention = {"slot_mapping": packed.slot_mapping, "token_request": packed.token_request,
-                     "page_tables": packed.page_tables}
-        if self.mla_kernel.backend == PALLAS:
-            attention["work"] = prefill_work(packed.token_request, packed.positions,
-                                             num_rows=num_requests,
-                                             block_q=self.mla_kernel.prefill.block_q)
+        pallas = self.mla_kernel.backend == PALLAS
+        attention = packed.attention(self.mla_kernel.prefill.block_q if pallas else None)
         return inputs, attention, {"rows": packed.sampled_rows(num_requests),
                                    "sampling": sampling_arrays(packed.sampled, num_requests)}
 

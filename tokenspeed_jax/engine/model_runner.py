@@ -127,7 +127,6 @@ from tokenspeed_jax.kernels.paged_prefill_attention import (
     PrefillKernel,
     choose_prefill_kernel,
     paged_prefill_attention,
-    prefill_work,
 )
 from tokenspeed_jax.models.cache_spec import PAGE, pool_specs
 from tokenspeed_jax.models.registry import family_of
@@ -498,13 +497,9 @@ class ModelRunner(StepRunner):
         packed = self.pack_tokens(requests, num_tokens, num_table_rows)
         inputs = {"token_ids": packed.token_ids, "positions": packed.positions,
                   "rows": packed.sampled_rows(num_rows)}
-        fields = {"slot_mapping": packed.slot_mapping, "token_request": packed.token_request,
-                  "page_tables": packed.page_tables}
-        if self.prefill_kernel.backend == PALLAS:
-            fields["work"] = prefill_work(packed.token_request, packed.positions,
-                                          num_rows=num_table_rows,
-                                          block_q=self.prefill_kernel.blocks.block_q)
-        return inputs, Packed.of(fields)
+        pallas = self.prefill_kernel.backend == PALLAS
+        return inputs, Packed.of(packed.attention(
+            self.prefill_kernel.blocks.block_q if pallas else None))
 
     def _decode_field_defaults(self, rows: int) -> dict[str, np.ndarray]:
         return {"slot_mapping": np.full(rows, -1, np.int32)}

@@ -82,6 +82,7 @@ from tokenspeed_jax.engine.token_board import (
 )
 from tokenspeed_jax.graph import CompiledPlan, CompileGuard, CompileSummary, Plan, abstract
 from tokenspeed_jax.graph.cache import classes_fingerprint
+from tokenspeed_jax.kernels.paged_prefill_attention import prefill_work
 from tokenspeed_jax.models.registry import family_of
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,16 @@ class PackedTokens:
     starts: np.ndarray
     last_rows: np.ndarray
     sampled: list[StepRequest]
+
+    def attention(self, block_q: int | None) -> dict[str, np.ndarray]:
+        """The paged attention's metadata: the slots, each token's request, the page tables and,
+        given a Pallas prefill kernel's ``block_q``, its work items (``prefill_work``)."""
+        fields = {"slot_mapping": self.slot_mapping, "token_request": self.token_request,
+                  "page_tables": self.page_tables}
+        if block_q is not None:
+            fields["work"] = prefill_work(self.token_request, self.positions,
+                                          num_rows=len(self.page_tables), block_q=block_q)
+        return fields
 
     def sampled_rows(self, rows: int) -> np.ndarray:
         """``last_rows`` padded with zeros to ``rows``."""
