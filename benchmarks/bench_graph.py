@@ -41,7 +41,7 @@ from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.model_runner import ModelRunner
+from tokenspeed_jax.engine.runner import ModelRunner
 from tokenspeed_jax.engine.sampler import SamplingArrays
 from tokenspeed_jax.engine.sampling_plans import fetch_sampled, step_output
 from tokenspeed_jax.graph import run_eager, whole_forward
@@ -120,33 +120,32 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
     inline_runner = ModelRunner(model, dataclasses.replace(config, inline_prefill_attention=True),
                                 num_pages=top // PAGE_SIZE + 1, page_size=PAGE_SIZE)
     inline_runner.compile_all()
-    caches = tuple(runner.kv_caches())
-    whole, whole_params = whole_forward(runner.encoder_plan, donate=caches)
+    caches = tuple(runner.pools)
+    whole, whole_params = whole_forward(runner.plans["prefill"], donate=caches)
     rows, dispatch = [], []
     for tokens in sizes:
         request = prompt_request("p", tokens, 0, 1)
-        inputs, attention = runner.prefill_arrays([request], tokens, 1)
-        meta = {"attention": attention}
-        plan = runner.encoder(tokens)
+        inputs, meta = runner.prefill_arrays([request], tokens, 1, runner.narrow_rows)
+        plan = runner.compiled_plan(("prefill", tokens, None))
 
         def segmented(plan=plan, inputs=inputs, meta=meta, runner=runner):
-            out = plan.run({**jax.device_put(inputs), **runner.kv_caches()}, meta)
-            runner.store_kv_caches(out)
+            out = plan.run({**jax.device_put(inputs), **runner.pools}, meta)
+            runner.pools = {name: out[name] for name in runner.pools}
             return jax.block_until_ready(out["rows_hidden"])
 
-        inline = functools.partial(segmented, inline_runner.encoder(tokens), runner=inline_runner)
+        inline = functools.partial(segmented, inline_runner.compiled_plan(("prefill", tokens, None)), runner=inline_runner)
 
         def whole_jit(inputs=inputs, meta=meta):
-            out = whole(whole_params, {**jax.device_put(inputs), **runner.kv_caches()},
+            out = whole(whole_params, {**jax.device_put(inputs), **runner.pools},
                         jax.device_put(meta))
-            runner.store_kv_caches(out)
+            runner.pools = {name: out[name] for name in runner.pools}
             return jax.block_until_ready(out["rows_hidden"])
 
         def eager(inputs=inputs, meta=meta):
-            out = run_eager(runner.encoder_plan,
-                            {**jax.device_put(inputs), **runner.kv_caches()},
+            out = run_eager(runner.plans["prefill"],
+                            {**jax.device_put(inputs), **runner.pools},
                             jax.device_put(meta))
-            runner.store_kv_caches(out)
+            runner.pools = {name: out[name] for name in runner.pools}
             return jax.block_until_ready(out["rows_hidden"])
 
         t_seg = timed(segmented, iters)
@@ -162,12 +161,12 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
         progress("prefill", rows[-1])
         enqueue = []
         for _ in range(iters):
-            device_inputs = {**jax.device_put(inputs), **runner.kv_caches()}
+            device_inputs = {**jax.device_put(inputs), **runner.pools}
             jax.block_until_ready(device_inputs)
             start = time.perf_counter()
             out = plan.run(device_inputs, meta)
             enqueue.append(time.perf_counter() - start)
-            runner.store_kv_caches(out)
+            runner.pools = {name: out[name] for name in runner.pools}
             jax.block_until_ready(out["rows_hidden"])
         dispatch.append({"tokens": tokens, "calls": len(plan.calls),
                          "host_us_per_call": statistics.median(enqueue) / len(plan.calls) * 1e6})
@@ -193,8 +192,8 @@ def decode_runner(model, batches: list[int], context: int,
     runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
                          page_size=PAGE_SIZE)
     if fused is not None:
-        runner.decode_kernel = dataclasses.replace(
-            runner.decode_kernel, k_splits=fused[0], pages_per_compute_block=fused[1])
+        runner.forward.decode_kernel = dataclasses.replace(
+            runner.forward.decode_kernel, k_splits=fused[0], pages_per_compute_block=fused[1])
     print(runner.compile_all().table())
     return runner
 
@@ -277,9 +276,9 @@ def host_breakdown(model, batches: list[int], context: int, iters: int) -> list[
         leaves = jax.tree_util.tree_leaves(meta)
 
         def run_plan(meta=meta, slot=slot):
-            out = slot.plan.run({**runner.kv_caches(), "board": runner.board,
+            out = slot.plan.run({**runner.pools, "board": runner.board,
                                  "sampled": slot.sampled}, meta)
-            runner.store_kv_caches(out)
+            runner.pools = {name: out[name] for name in runner.pools}
             runner.board, slot.sampled = out["board"], out["sampled"]
             return out
 

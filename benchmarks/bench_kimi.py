@@ -1,4 +1,4 @@
-"""Benchmark a random-weight MLA model (Kimi-Linear-48B-A3B or DeepSeek-V3 shape) on KimiRunner.
+"""Benchmark a random-weight MLA model (Kimi-Linear-48B-A3B or DeepSeek-V3 shape) on ModelRunner.
 
 Measures prefill throughput of the inline-KDA segmented route and the ordinary route (KDA at a
 break; the two are one route for DeepSeek-V3, which has no KDA layers), optionally eager
@@ -38,7 +38,7 @@ from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepRequest
-from tokenspeed_jax.engine.kimi_runner import KimiRunner
+from tokenspeed_jax.engine.runner import ModelRunner
 from tokenspeed_jax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from tokenspeed_jax.models.kimi_linear import KDA, MLA, KimiLinearConfig, KimiLinearForCausalLM
 from tokenspeed_jax.parallel import param_name
@@ -128,7 +128,7 @@ def decode_floor_bytes(weights: dict[str, int], config, batch: int, context: int
     return weights["other"] + routed + embedding_rows + batch * (latent + states)
 
 
-def check_decode_tokens(runner: KimiRunner, batch: list[StepRequest]) -> dict:
+def check_decode_tokens(runner: ModelRunner, batch: list[StepRequest]) -> dict:
     """The decode executable's tokens against the eager ordinary route on the same pools."""
     with runner.guard.allowed("bench check"):
         saved = {name: jnp.copy(pool) for name, pool in runner.pools.items()}
@@ -183,7 +183,7 @@ def main() -> None:
         decode_graph_capture_batch_sizes=tuple(args.decode_batches),
         decode_graph_max_bs=max(args.decode_batches), max_model_len=max_len,
         compile_progress=True, compile_cache=False, background_compile=False)
-    runner = KimiRunner(model, engine, num_pages=pages_each * max_requests,
+    runner = ModelRunner(model, engine, num_pages=pages_each * max_requests,
                         num_state_slots=max_requests, page_size=PAGE_SIZE)
     t0 = time.perf_counter()
     summary = runner.compile_all()

@@ -18,7 +18,7 @@ with --out writes everything as JSON after every tp (a run cut short keeps what 
 
 Shapes: ``llama8b-shape`` (``bench_graph.SHAPES``, --llama-layers layers) on a ``ModelRunner``,
 and a Kimi-Linear-48B-A3B shape (``bench_kimi.model_config``, --kimi-layers layers) on a
-``KimiRunner``. Each (shape, tp) builds two runners over its model, each compiling only its
+``ModelRunner``. Each (shape, tp) builds two runners over its model, each compiling only its
 explicit buckets: a prefill runner (the --prefill-tokens buckets, one request per step, one
 decode bucket for the check) and a decode runner whose page tables span --decode-context
 (as ``bench_graph.decode_runner``'s), so decode attention reads the pages of that context only.
@@ -50,8 +50,7 @@ from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.kimi_runner import KimiRunner
-from tokenspeed_jax.engine.model_runner import ModelRunner
+from tokenspeed_jax.engine.runner import ModelRunner
 from tokenspeed_jax.models.kimi_linear import KimiLinearForCausalLM
 from tokenspeed_jax.models.llama import LlamaForCausalLM
 
@@ -110,9 +109,9 @@ def kimi_family(tiny: bool, layers: int, dtype: str) -> Family:
         name="kimi-tiny" if tiny else "kimi-linear-48b-a3b-shape",
         build=lambda: KimiLinearForCausalLM(shape, dtype=jdtype, param_dtype=jdtype,
                                             rngs=nnx.Rngs(SEED)),
-        runner=lambda model, config, pages, slots: KimiRunner(
+        runner=lambda model, config, pages, slots: ModelRunner(
             model, config, num_pages=pages, num_state_slots=slots, page_size=PAGE_SIZE),
-        # KimiRunner always compiles a prefill bucket (its state-restore executable is sized by
+        # ModelRunner always compiles a prefill bucket (its state-restore executable is sized by
         # the prefill request buckets): one small one, on the ordinary route only
         decode_runner_prefill={**prefill_buckets((64,)), "disable_kda_prefill_graph": True})
 

@@ -41,18 +41,24 @@ RESAMPLED = {"top_p": {"top_p": 0.9, "temperature": 0.8},
 DECODE_ROWS = 32
 
 
+def prefill_plans(runner) -> dict:
+    """The runner's compiled prefill plans, by their key (route, tokens, None)."""
+    return {key: plan for key, plan in runner._compiled.items() if key[0] == "prefill"}
+
+
 def compile_variant(runner, options: dict, threads: int, token_sizes: tuple[int, ...],
                     resample: bool) -> tuple[dict, dict, dict]:
     """The runner's encoders (and resamplers) compiled with XLA ``options`` on ``threads``
-    threads, no executable cache: (encoders by token bucket, resamplers by key, figures)."""
+    threads, no executable cache: (encoders by runner key, resamplers by key, figures)."""
     from tokenspeed_jax.graph.compile import PlanCompiler
 
     compiler = PlanCompiler(progress=False, fingerprint=runner.cache_fingerprint(),
                             mesh=runner.mesh, compiler_options=options, threads=threads)
     tokens_of = {}
     for tokens in token_sizes:
-        tokens_of[f"prefill T={tokens}"] = tokens
-        compiler.add(f"prefill T={tokens}", runner.encoder_plan, *runner.encoder_specs(tokens))
+        tokens_of[f"prefill T={tokens}"] = ("prefill", tokens, None)
+        compiler.add(f"prefill T={tokens}", runner.plans["prefill"],
+                     *runner.prefill_specs(tokens, runner.narrow_rows))
     keys = {}
     if resample:
         for rows in sorted({key[1] for key in runner.resampler.compiled}):
@@ -63,7 +69,7 @@ def compile_variant(runner, options: dict, threads: int, token_sizes: tuple[int,
     plans, summary = compiler.compile_all()
     figures = {"compile_wall_s": time.perf_counter() - began, "threads": compiler.threads,
                "compiled": summary.num_compiled}
-    encoders = {tokens: plans[label] for label, tokens in tokens_of.items()}
+    encoders = {key: plans[label] for label, key in tokens_of.items()}
     return encoders, {keys[label]: plans[label] for label in keys}, figures
 
 
@@ -121,7 +127,7 @@ def main() -> None:
                   decode_graph_capture_batch_sizes=(DECODE_ROWS,), max_num_seqs=DECODE_ROWS,
                   max_model_len=token_sizes[-1] + 256)
         runner = llm.runner
-        tables = {"untuned-cublas": (dict(runner._encoders), dict(runner.resampler.compiled))}
+        tables = {"untuned-cublas": (prefill_plans(runner), dict(runner.resampler.compiled))}
         compiles = {}
         for name, (options, threads) in VARIANTS.items():
             encoders, resamplers, compiles[name] = compile_variant(
@@ -133,7 +139,7 @@ def main() -> None:
         rounds: dict[str, list[dict[str, float]]] = {name: [] for name in tables}
         for _ in range(args.rounds):
             for name, (encoders, resamplers) in tables.items():
-                runner._encoders.update(encoders)
+                runner._compiled.update(encoders)
                 runner.resampler.compiled.update(resamplers)
                 rounds[name].append(measure(llm, token_sizes, args.resample))
         best = {name: {key: min(r[key] for r in runs) for key in runs[0]}

@@ -1,7 +1,7 @@
 """The on-disk executable cache across real process restarts (graph/cache.py, PlanCompiler).
 
-Each start is a fresh ``python`` process (this file run as a script) that builds a tiny Llama
-ModelRunner (or the tiny Kimi-Linear KimiRunner), compiles it against a cache directory, and
+Each start is a fresh ``python`` process (this file run as a script) that builds the
+ModelRunner of a tiny Llama (or of the tiny Kimi-Linear), compiles it against a cache directory, and
 generates a few greedy tokens;
 other starts build a whole engine (``build_engine`` with its KV cache sized from a free-memory
 reading the test chooses) or a Kimi runner. Compiles are counted by jax's own monitoring events
@@ -104,7 +104,7 @@ def _engine_start(options: dict, counted) -> dict:
         completions = bundle.engine.generate([(p, greedy) for p in ENGINE_PROMPTS])
     summary = bundle.compile_summary
     return {"pages": bundle.engine.block_manager.num_pages,
-            "kv_pages_shape": list(bundle.runner.k_pages[0].shape),
+            "kv_pages_shape": list(bundle.runner.pools["k_pages.0"].shape),
             "loaded": summary.num_loaded, "compiled": summary.num_compiled,
             "executables": summary.num_executables,
             "outputs": [group[0].token_ids for group in completions],
@@ -117,14 +117,14 @@ def _kimi_start(options: dict, counted) -> dict:
     import numpy as np
 
     from tokenspeed_jax.config import EngineConfig
-    from tokenspeed_jax.engine.kimi_runner import KimiRunner
+    from tokenspeed_jax.engine.runner import ModelRunner
     from tokenspeed_jax.models.loader import load_checkpoint
 
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
     config = EngineConfig(max_model_len=64, compile_progress=False,
                           compile_cache_dir=options["cache_dir"])
     with counted():
-        runner = KimiRunner(checkpoint.model, config, num_pages=12, num_state_slots=6,
+        runner = ModelRunner(checkpoint.model, config, num_pages=12, num_state_slots=6,
                             page_size=16)
     pools = runner.pools
     return {"pools": {name: [list(pool.shape), str(pool.dtype)] for name, pool in pools.items()},
@@ -139,7 +139,7 @@ def llama_runner(options: dict):
     from flax import nnx
 
     from tokenspeed_jax.config import EngineConfig
-    from tokenspeed_jax.engine.model_runner import ModelRunner
+    from tokenspeed_jax.engine.runner import ModelRunner
     from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 
     model_config = LlamaConfig(

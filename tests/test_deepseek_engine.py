@@ -1,4 +1,4 @@
-"""DeepSeek-V3 behind ``LLM``: the latent-attention runner (``KimiRunner``, every layer MLA with
+"""DeepSeek-V3 behind ``LLM``: the runner over the latent forward (every layer MLA with
 RoPE, no recurrent state) under the scheduler, with prefix caching over the latent pages.
 
 Expectations come from HF transformers' goldens (``scripts/golden_deepseek_v3.py``: greedy tokens,
@@ -16,7 +16,7 @@ from golden_checks import assert_steps_match_golden, step_logprobs
 from test_kimi_engine import OPTIONS as KIMI_OPTIONS
 
 from tokenspeed_jax import LLM, SamplingParams
-from tokenspeed_jax.engine.kimi_runner import KimiRunner
+from tokenspeed_jax.models.kimi_linear.forward import LatentForward
 
 GOLDEN = Path(__file__).parent / "golden"
 NAMES = ("tiny_deepseek_v3", "tiny_deepseek_v3_plain")
@@ -47,9 +47,9 @@ def assert_matches_golden(out, golden: dict, i: int) -> None:
                               label=f"prompt {i}")
 
 
-def test_served_by_the_latent_runner_without_state_rows(served):
+def test_served_by_the_latent_forward_without_state_rows(served):
     llm, _ = served
-    assert isinstance(llm.runner, KimiRunner)
+    assert isinstance(llm.runner.forward, LatentForward)
     assert llm.runner.state_pools == () and llm.runner.restore_plan is None
     assert llm.engine.state_slots is None
     layers = llm.model.config.num_hidden_layers

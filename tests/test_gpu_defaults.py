@@ -1,7 +1,7 @@
 """What one GPU runs when nothing is set, run on a GPU: ``LLM`` and the HTTP server with their
 defaults, against transformers' float32 greedy outputs (``tests/golden``).
 
-On a GPU every fast path is on by default (``model_runner.runner_settings``: the fused decode
+On a GPU every fast path is on by default (``llama_forward.runner_settings``: the fused decode
 kernel, stacked decode weights, inline prefill attention, two loaded copies of each decode
 executable, the Pallas prefill kernel) and "auto" weights are bfloat16
 (``loader.resolve_dtype``). test_model_runner.py runs that configuration on the CPU with its
@@ -82,13 +82,13 @@ def follow_golden(tokens: Sequence, expected: Sequence, margins: Sequence[float]
 def assert_every_fast_path(runner, dtype) -> None:
     """``runner`` runs every GPU fast path, compiled (not interpreted), its layer weights and
     KV cache in ``dtype``."""
-    settings = runner.settings
+    settings = runner.forward.settings
     assert settings.decode_kernel.backend == FUSED and not settings.decode_kernel.interpret
     assert settings.prefill_kernel.backend == PALLAS and not settings.prefill_kernel.interpret
     assert settings.stack_decode_weights and runner.stacked_layers is not None
     assert settings.inline_prefill_attention and settings.alternate_decode_executables
-    assert runner.k_pages[0].dtype == dtype
-    assert all(leaf.dtype == dtype for leaf in jax.tree_util.tree_leaves(runner.layer_states))
+    assert runner.pools["k_pages.0"].dtype == dtype
+    assert all(leaf.dtype == dtype for leaf in jax.tree_util.tree_leaves(runner.forward.layer_states))
 
 
 def test_llm_defaults_are_every_fast_path_in_bfloat16(smollm2):

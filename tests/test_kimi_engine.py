@@ -1,4 +1,4 @@
-"""Kimi-Linear behind ``LLM`` and the server: KimiRunner under the scheduler, KDA state rows per
+"""Kimi-Linear behind ``LLM`` and the server: its runner under the scheduler, KDA state rows per
 request, prefix caching through KDA checkpoints.
 
 Expectations come from HF transformers' golden greedy tokens and the logits of each greedy step,
@@ -76,10 +76,10 @@ def reference_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> lis
     return [c.token_ids for c in completions]
 
 
-def test_build_engine_picks_the_kimi_runner_with_a_state_pool(llm):
-    from tokenspeed_jax.engine.kimi_runner import KimiRunner
+def test_build_engine_serves_kimi_with_its_forward_and_a_state_pool(llm):
+    from tokenspeed_jax.models.kimi_linear.forward import LatentForward
 
-    assert isinstance(llm.runner, KimiRunner)
+    assert isinstance(llm.runner.forward, LatentForward)
     # max_num_seqs live rows, as many checkpoint rows (prefix caching is on)
     assert llm.runner.num_state_slots == 2 * OPTIONS["max_num_seqs"]
     assert llm.engine.state_slots.num_live == OPTIONS["max_num_seqs"]

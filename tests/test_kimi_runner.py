@@ -1,4 +1,4 @@
-"""KimiRunner: the inline-KDA segmented route, the ordinary route (KDA at a break) and the decode
+"""ModelRunner: the inline-KDA segmented route, the ordinary route (KDA at a break) and the decode
 route match the eager plan with the pure-JAX KDA reference, on outputs and on the whole state
 pool (checkpoints included); padded requests and tokens never write a pool row or a page."""
 
@@ -16,13 +16,14 @@ import pytest
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine import kimi_runner
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.kimi_runner import KimiRunner, checkpoint_split
+from tokenspeed_jax.engine.runner import ModelRunner
 from tokenspeed_jax.graph import choose_bucket
 from tokenspeed_jax.kernels.mla_attention import MLAKernel
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, REFERENCE
 from tokenspeed_jax.models.kimi_linear import MLA, KimiLinearForCausalLM
+from tokenspeed_jax.models.kimi_linear import forward as kimi_forward
+from tokenspeed_jax.models.kimi_linear.forward import checkpoint_split
 from tokenspeed_jax.models.loader import load_checkpoint
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -45,8 +46,8 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
 
     def warnings(config):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=kimi_runner.__name__):
-            KimiRunner(checkpoint.model, config, num_pages=24, num_state_slots=6, page_size=PAGE)
+        with caplog.at_level(logging.WARNING, logger=kimi_forward.__name__):
+            ModelRunner(checkpoint.model, config, num_pages=24, num_state_slots=6, page_size=PAGE)
         return [record.message for record in caplog.records]
 
     changed = warnings(dataclasses.replace(CONFIG, inline_prefill_attention=True,
@@ -60,17 +61,17 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
     assert not any("does not apply" in m for m in warnings(CONFIG))
 
 
-def runner_builder(**config) -> Callable[[], KimiRunner]:
+def runner_builder(**config) -> Callable[[], ModelRunner]:
     """Builds the tiny Kimi checkpoint's runner with ``CONFIG`` (fields replaced by ``config``),
     not yet compiled; the checkpoint is loaded now. ``test_compile_cache`` starts it in fresh
     processes on the session's executable cache, so this module's runners load what those
     processes compiled."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    return functools.partial(KimiRunner, checkpoint.model, dataclasses.replace(CONFIG, **config),
+    return functools.partial(ModelRunner, checkpoint.model, dataclasses.replace(CONFIG, **config),
                              num_pages=24, num_state_slots=6, page_size=PAGE)
 
 
-def new_runner(**config) -> KimiRunner:
+def new_runner(**config) -> ModelRunner:
     """The runner ``runner_builder(**config)`` builds."""
     return runner_builder(**config)()
 
@@ -90,13 +91,13 @@ def request(rid: str, tokens: np.ndarray, start: int, first_page: int, slot: int
                            checkpoint_slot=checkpoint)
 
 
-def noisy_pools(runner: KimiRunner, seed: int) -> dict[str, np.ndarray]:
+def noisy_pools(runner: ModelRunner, seed: int) -> dict[str, np.ndarray]:
     """Random values in every pool row and page, so a stray write is visible."""
     rng = np.random.default_rng(seed)
     return {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in runner.pools.items()}
 
 
-def run(runner: KimiRunner, pools: dict, how: str, requests: list, *,
+def run(runner: ModelRunner, pools: dict, how: str, requests: list, *,
         eager_plan: str = "reference") -> tuple:
     with runner.guard.allowed("test pools"):
         runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
@@ -137,9 +138,10 @@ def test_a_second_runner_loads_every_executable_from_the_cache(runner):
 
 
 def test_consecutive_kda_layers_share_a_segment_and_mla_layers_are_breaks(runner):
+    """The last segment also gathers the sampled rows for the head."""
     names = [call.stage.name for call in runner.plans["inline"].calls]
     assert names == ["embed+kda+kda+mla_in", "attention", "mla_out+kda+kda+mla_in", "attention",
-                     "mla_out+kda"]
+                     "mla_out+kda+rows"]
     ordinary = [call.stage.name for call in runner.plans["ordinary"].calls]
     assert ordinary.count("kda") == 5 and ordinary.count("attention") == 2
 
@@ -207,12 +209,14 @@ def test_decode_is_one_executable_per_batch_bucket(runner):
     """A decode step is one executable call: the decode plan is a single call (every layer,
     the head, the sampler and the token board inside), compiled once per decode bucket, with
     no head or segment executables of its own."""
-    (call,) = runner.decode_plan.calls
-    assert call.stage.name == "decode"
+    for rows in runner.buckets.decode_executables:
+        (call,) = runner.decode_plan(rows).calls
+        assert call.stage.name == "decode"
     labels = runner.ladders.compiler.labels
-    assert [label for label in labels if "B=" in label and "resample" not in label] == [
+    assert [label for label in labels if label.startswith("decode")] == [
         f"decode B={rows}" for rows in runner.buckets.decode_executables]
-    assert not any("head" in label and "T=2 " in label for label in labels)
+    assert [label for label in labels if label.startswith("head")] == [
+        f"head B={rows}" for rows in runner.buckets.prefill_requests]
 
 
 def test_decode_steps_alternate_between_two_loaded_copies_when_asked(runner):
@@ -241,9 +245,9 @@ def test_pallas_mla_kernels_interpreted_give_the_reference_kernels_results(runne
     does), and decode attention inside the decode executable give the tokens and pools of the
     plain-JAX references. The kernel choice is part of the executable cache key."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    kernels = KimiRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
-                         page_size=PAGE, mla_kernel=MLAKernel(PALLAS, interpret=True))
-    assert runner.mla_kernel.backend == REFERENCE
+    kernels = ModelRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
+                         page_size=PAGE, settings=MLAKernel(PALLAS, interpret=True))
+    assert runner.forward.mla_kernel.backend == REFERENCE
     assert kernels.cache_fingerprint() != runner.cache_fingerprint()
     kernels.compile_all()
     long, short = prompts(6)
@@ -267,7 +271,7 @@ def test_bf16_state_rows_round_where_the_reference_stores():
     is checked in test_kda.)"""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
     config = dataclasses.replace(CONFIG, kda_state_dtype="bfloat16")
-    runner = KimiRunner(checkpoint.model, config, num_pages=24, num_state_slots=6,
+    runner = ModelRunner(checkpoint.model, config, num_pages=24, num_state_slots=6,
                         page_size=PAGE)
     dtypes = {n: p.dtype for n, p in runner.pools.items()}
     assert {d for n, d in dtypes.items() if n.startswith("state")} == {jnp.dtype(jnp.bfloat16)}
@@ -386,7 +390,7 @@ def test_two_extends_of_868_and_869_tokens_share_the_2048_by_2_executable():
         prefill_graph_capture_batch_sizes=(1, 2), prefill_graph_max_bs=2,
         decode_graph_capture_batch_sizes=(2,), max_model_len=1024, prefix_granularity=128,
         compile_progress=False)
-    runner = KimiRunner(checkpoint.model, config, num_pages=128, num_state_slots=4,
+    runner = ModelRunner(checkpoint.model, config, num_pages=128, num_state_slots=4,
                         page_size=PAGE)
     rng = np.random.default_rng(5)
     batch = [StepRequest(f"r{i}", rng.integers(3, 256, n).astype(np.int32), 0,
@@ -394,8 +398,8 @@ def test_two_extends_of_868_and_869_tokens_share_the_2048_by_2_executable():
                          SamplingParams(temperature=0.0), state_slot=i, checkpoint_slot=2 + i)
              for i, n in enumerate((868, 869))]
     assert runner.route(batch) == "inline"
-    assert runner.bucket("inline", batch) == (2048, 2)
-    inputs, _, _ = runner.step_arrays(batch, 2048, 2)
+    assert runner.prefill_bucket(batch) == (2048, 2)
+    inputs, _ = runner.prefill_arrays(batch, 2048, 2, 2)
     np.testing.assert_array_equal(inputs["cu_seqlens"], [0, 868, 868 + 869])
     np.testing.assert_array_equal(inputs["checkpoint_offsets"], [768, 768])
     np.testing.assert_array_equal(inputs["checkpoint_slots"], [2, 3])
@@ -410,7 +414,7 @@ def test_disable_switch_compiles_only_the_ordinary_route():
                              "decode_graph_capture_batch_sizes": (1,), "decode_graph_max_bs": 1,
                              "prefill_graph_capture_batch_sizes": (1,),
                              "prefill_graph_max_bs": 1})
-    runner = KimiRunner(checkpoint.model, config, num_pages=8, num_state_slots=2, page_size=PAGE)
+    runner = ModelRunner(checkpoint.model, config, num_pages=8, num_state_slots=2, page_size=PAGE)
     summary = runner.compile_all()
     assert not any(label.startswith("inline") for label in summary.seconds_per_label)
     tokens = np.random.default_rng(4).integers(3, 256, 30)
@@ -426,7 +430,7 @@ def test_a_model_without_kda_layers_runs_with_nothing_to_restore(runner):
                                  layer_types=(MLA, MLA))
     with runner.guard.allowed("random weights of a second model"):
         model = KimiLinearForCausalLM(config, rngs=nnx.Rngs(3))
-    mla_only = KimiRunner(model, CONFIG, num_pages=24, num_state_slots=2, page_size=PAGE)
+    mla_only = ModelRunner(model, CONFIG, num_pages=24, num_state_slots=2, page_size=PAGE)
     summary = mla_only.compile_all()
     assert mla_only.state_pools == () and mla_only.restore_plan is None
     assert not any(label.startswith("restore") for label in summary.seconds_per_label)
@@ -445,7 +449,7 @@ def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
     config = dataclasses.replace(CONFIG, prefill_graph_capture_token_sizes=(32, 64, 128),
                                  disable_kda_prefill_graph=True, background_compile=True)
-    ladder = KimiRunner(checkpoint.model, config, num_pages=24, num_state_slots=6,
+    ladder = ModelRunner(checkpoint.model, config, num_pages=24, num_state_slots=6,
                         page_size=PAGE)
     ladder.compile_all(start_background=False)
     try:
@@ -453,10 +457,10 @@ def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
         batch = [request("a", long[:20], 0, 0, slot=1), request("b", short[:30], 0, 8, slot=3)]
         pools = noisy_pools(runner, 8)
         expected = run(runner, pools, "eager", batch)
-        assert ladder.ready.tokens == (32, 128) and ladder.bucket("ordinary", batch) == (128, 2)
+        assert ladder.ready.tokens == (32, 128) and ladder.prefill_bucket(batch) == (128, 2)
         assert_same(run(ladder, pools, "step", batch), expected)
         ladder.ladders.compile_deferred()
-        assert ladder.ready == ladder.buckets and ladder.bucket("ordinary", batch) == (64, 2)
+        assert ladder.ready == ladder.buckets and ladder.prefill_bucket(batch) == (64, 2)
         assert_same(run(ladder, pools, "step", batch), expected)
         stats = ladder.stats()
         assert stats["ordinary_runs"] == 2 and stats["padded_tokens"] == (128 - 50) + (64 - 50)

@@ -23,16 +23,20 @@ import tokenizers
 from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
-from tokenspeed_jax.engine import compilers, model_runner
+from tokenspeed_jax.engine import compilers
+from tokenspeed_jax.engine import runner as runner_module
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
+from tokenspeed_jax.engine.buckets import Buckets
 from tokenspeed_jax.engine.decode_turns import DecodeTurns
-from tokenspeed_jax.engine.model_runner import ModelRunner, runner_settings, split_requests
+from tokenspeed_jax.engine.runner import ModelRunner, split_requests
 from tokenspeed_jax.engine.token_board import new_board
 from tokenspeed_jax.graph import CompileError
 from tokenspeed_jax.graph.guard import startup
 from tokenspeed_jax.kernels.paged_attention_backend import FUSED, PALLAS, DecodeKernel
 from tokenspeed_jax.kernels.paged_prefill_attention import PrefillBlocks, PrefillKernel
 from tokenspeed_jax.models.llama import DenseKVCache, LlamaConfig, LlamaForCausalLM
+from tokenspeed_jax.models.llama import forward as llama_forward
+from tokenspeed_jax.models.llama.forward import runner_settings
 from tokenspeed_jax.models.loader import resolve_dtype
 from tokenspeed_jax.reference import ReferenceGenerator
 from tokenspeed_jax.sampling_params import SamplingParams
@@ -149,7 +153,13 @@ def paged_kv(runner, table, length):
     slots = np.arange(length)
     pages, rows = table[slots // PAGE], slots % PAGE
     return tuple(np.stack([np.asarray(p, np.float32)[:, pages, rows].transpose(1, 0, 2)
-                           for p in caches]) for caches in (runner.k_pages, runner.v_pages))
+                           for p in caches]) for caches in kv_pools(runner))
+
+
+def kv_pools(runner) -> tuple[list, list]:
+    """The runner's K pools and V pools, each in layer order."""
+    layers = runner.model_config.num_hidden_layers
+    return tuple([runner.pools[f"{kind}_pages.{i}"] for i in range(layers)] for kind in "kv")
 
 
 def check_kv(runner, table, k_ref, v_ref, tol=FP32):
@@ -241,11 +251,12 @@ def test_padding_never_writes_other_pages(model, runner):
     """Every page starts this test filled with a marker (whatever earlier tests wrote): after a
     padded prefill and decode, only the request's own pages have changed."""
     marker = -7.0
-    runner.store_kv_caches({name: jax.device_put(np.full(cache.shape, marker, cache.dtype))
-                            for name, cache in runner.kv_caches().items()})
+    runner.pools = {name: jax.device_put(np.full(cache.shape, marker, cache.dtype))
+                    for name, cache in runner.pools.items()}
     tables, _ = generate(model, runner, Pages(first=40), prompts(3, 3), steps=1)
-    others = [i for i in range(runner.k_pages[0].shape[1]) if i not in set(tables[0].tolist())]
-    for name, cache in runner.kv_caches().items():
+    others = [i for i in range(runner.pools["k_pages.0"].shape[1])
+              if i not in set(tables[0].tolist())]
+    for name, cache in runner.pools.items():
         assert np.all(np.asarray(cache)[:, others] == marker), name
 
 
@@ -351,11 +362,11 @@ def test_a_mixed_step_runs_its_decode_rows_on_the_decode_graph(model, runner):
 
 
 def test_kv_cache_is_donated_not_copied(runner):
-    old = runner.k_pages[0]
+    old = runner.pools["k_pages.0"]
     table = Pages(50).take(4)
     runner.step(StepBatch([request("z", [1, 2, 3], 0, table)]))
     assert old.is_deleted()
-    attention = runner.encoder(16).calls[1]
+    attention = runner.compiled_plan(("prefill", 16, None)).calls[1]
     assert attention.name == "attention"
     cache_bytes = 2 * old.size * old.dtype.itemsize
     assert attention.executable.memory_analysis().alias_size_in_bytes >= cache_bytes
@@ -368,9 +379,9 @@ def test_batch_one_decode_updates_the_cache_in_place(runner):
     addresses from step to step."""
     slot = runner._decode_turns[2].slots[0]
     decode = slot.plan.calls[0].executable
-    cache = runner.k_pages[0]
+    cache = runner.pools["k_pages.0"]
     cache_bytes = cache.size * cache.dtype.itemsize
-    all_caches = 2 * runner.num_layers * cache_bytes
+    all_caches = 2 * runner.forward.num_layers * cache_bytes
     analysis = decode.memory_analysis()
     assert analysis.alias_size_in_bytes >= all_caches + runner.board.nbytes + slot.sampled.nbytes
     assert analysis.temp_size_in_bytes < all_caches  # copies would need at least this much
@@ -403,7 +414,7 @@ def test_eager_route_matches_reference(model, eager_runner):
 def test_a_kimi_only_setting_is_logged_as_ignored(model, caplog):
     """``disable_kda_prefill_graph`` names a Kimi Linear route: this runner says it ignores it
     and stays silent without it."""
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+    with caplog.at_level(logging.WARNING, logger=llama_forward.__name__):
         ModelRunner(model, ENGINE, 64, PAGE)
         assert not caplog.records
         ModelRunner(model, dataclasses.replace(ENGINE, disable_kda_prefill_graph=True), 64, PAGE)
@@ -549,10 +560,10 @@ def test_pallas_decode_op_in_the_runner_matches_reference(model, monkeypatch):
     fused kernel is ``gpu_runner``'s), interpreted on the CPU, over the ``[Hkv, pages,
     page_size, Dh]`` cache gives the reference forward's tokens."""
     kernel = DecodeKernel(PALLAS, pages_per_compute_block=2, k_splits=2, interpret=True)
-    monkeypatch.setattr(model_runner, "choose_decode_kernel", lambda **_: kernel)
+    monkeypatch.setattr(llama_forward, "choose_decode_kernel", lambda **_: kernel)
     config = dataclasses.replace(ENGINE, decode_graph_capture_batch_sizes=(2,))
     runner = ModelRunner(model, config, 64, PAGE)
-    assert runner.decode_kernel == kernel
+    assert runner.forward.decode_kernel == kernel
     runner.compile_all()
     try:
         generate(model, runner, Pages(), prompts(71, 9, 14), steps=3)
@@ -584,10 +595,10 @@ def test_pallas_prefill_kernel_in_the_runner_matches_reference(model, monkeypatc
     executable per token bucket, and fresh, chunked (cached context) and mixed steps give the
     reference forward's tokens."""
     kernel = PrefillKernel(PALLAS, PrefillBlocks(block_q=16, pages_per_block=2), interpret=True)
-    monkeypatch.setattr(model_runner, "choose_prefill_kernel", lambda **_: kernel)
+    monkeypatch.setattr(llama_forward, "choose_prefill_kernel", lambda **_: kernel)
     config = dataclasses.replace(ENGINE, prefill_graph_capture_token_sizes=(16,))
     runner = ModelRunner(model, config, 64, PAGE)
-    assert runner.prefill_kernel == kernel
+    assert runner.forward.prefill_kernel == kernel
     summary = runner.compile_all()
     encoders = {label for label in summary.seconds_per_label if label.startswith("prefill")}
     assert encoders == {f"prefill T={tokens}" for tokens in runner.buckets.tokens}
@@ -605,16 +616,16 @@ def test_a_gpu_resolves_every_fast_path_for_this_model(model, runner, gpu_runner
     fused decode kernel, stacked decode weights, one inline encoder executable per token bucket,
     two loaded copies of each decode executable and the Pallas prefill kernel (the CPU resolves
     none of them: ``runner``); "auto" weights are bfloat16 there."""
-    settings = gpu_runner.settings
+    settings = gpu_runner.forward.settings
     assert settings.decode_kernel.backend == FUSED and settings.prefill_kernel.backend == PALLAS
     assert settings.stack_decode_weights and gpu_runner.stacked_layers is not None
     assert settings.inline_prefill_attention
-    assert [call.stage.name for call in gpu_runner.encoder_plan.calls] == ["attention"]
+    assert [call.stage.name for call in gpu_runner.plans["prefill"].calls] == ["attention"]
     first, second = gpu_runner._decode_turns[2].slots
     assert settings.alternate_decode_executables
     assert first.plan.calls[0].executable is not second.plan.calls[0].executable
     assert resolve_dtype(EngineConfig().dtype, "gpu") == jnp.bfloat16
-    assert runner.settings == runner_settings(ENGINE, model, page_size=PAGE, platform="cpu")
+    assert runner.forward.settings == runner_settings(ENGINE, model, page_size=PAGE, platform="cpu")
 
 
 def test_gpu_defaults_match_reference(model, gpu_runner):
@@ -654,7 +665,7 @@ def test_gpu_defaults_in_bfloat16_match_reference_to_its_rounding():
                                  prefill_graph_capture_batch_sizes=(2,))
     runner = compiled_gpu_runner(half, config)
     try:
-        assert runner.k_pages[0].dtype == jnp.bfloat16
+        assert runner.pools["k_pages.0"].dtype == jnp.bfloat16
         generate(half, runner, Pages(), prompts(84, 45, 20), steps=4, tol=BF16)
         stats = runner.stats()
         assert stats["chunked_prefill_splits"] == 2 and stats["decode_runs"] == 4
@@ -671,7 +682,7 @@ def decode_argument_count(runner) -> int:
 def test_stacked_decode_weights_take_one_argument_per_weight_kind(runner, gpu_runner):
     """Stacked (``gpu_runner``), the decode step takes one argument per weight kind instead of
     one per layer and kind (``runner``); both match the reference (the tests above)."""
-    per_layer_leaves = len(jax.tree_util.tree_leaves(runner.layer_states[0]))
+    per_layer_leaves = len(jax.tree_util.tree_leaves(runner.forward.layer_states[0]))
     saved = (CONFIG.num_hidden_layers - 1) * per_layer_leaves
     assert decode_argument_count(gpu_runner) == decode_argument_count(runner) - saved
 
@@ -679,10 +690,10 @@ def test_stacked_decode_weights_take_one_argument_per_weight_kind(runner, gpu_ru
 def test_only_small_decode_buckets_take_stacked_weights(runner, gpu_runner):
     """Stacked weights serve decode buckets of up to ``STACKED_DECODE_MAX_ROWS`` rows; a larger
     bucket takes one argument per layer weight, as every bucket does without stacking."""
-    small, large = model_runner.STACKED_DECODE_MAX_ROWS, model_runner.STACKED_DECODE_MAX_ROWS + 1
+    small, large = runner_module.STACKED_DECODE_MAX_ROWS, runner_module.STACKED_DECODE_MAX_ROWS + 1
     stacked, per_layer = gpu_runner.decode_plan(small), gpu_runner.decode_plan(large)
     assert stacked.calls[0].params[1] is gpu_runner.stacked_layers
-    assert all(a is b for a, b in zip(per_layer.calls[0].params[1], gpu_runner.layer_states,
+    assert all(a is b for a, b in zip(per_layer.calls[0].params[1], gpu_runner.forward.layer_states,
                                       strict=True))
     assert runner.decode_plan(small) is runner.decode_plan(large) is runner.per_layer_decode_plan
 
@@ -693,8 +704,8 @@ def test_auto_settings_follow_platform_and_layer_weight_size(setting):
     on one GPU only; an explicit value wins."""
     small = [{"w": np.zeros((4, 4), np.float32)}] * 3
     large = [{"w": np.broadcast_to(np.float32(0), (2**28 + 1,))}] * 2  # just over 2 GiB
-    rule = {"stack_decode_weights": model_runner.stacks_decode_weights,
-            "inline_prefill_attention": model_runner.inlines_prefill_attention}[setting]
+    rule = {"stack_decode_weights": llama_forward.stacks_decode_weights,
+            "inline_prefill_attention": llama_forward.inlines_prefill_attention}[setting]
     assert rule(EngineConfig(), small, "gpu")
     assert not rule(EngineConfig(), large, "gpu")
     assert not rule(EngineConfig(), small, "cpu")
@@ -706,7 +717,7 @@ def test_auto_settings_follow_platform_and_layer_weight_size(setting):
 def buffer_addresses(runner) -> list[int]:
     """Where the decode step's donated buffers lie: board, each turn's sampled rows, caches."""
     buffers = [runner.board, *(slot.sampled for slot in runner._decode_turns[2].slots),
-               *runner.k_pages, *runner.v_pages]
+               *runner.pools.values()]
     return [b.unsafe_buffer_pointer() for b in buffers]
 
 
@@ -781,7 +792,7 @@ def test_a_decode_turn_fetches_unread_tokens_before_reusing_its_buffer(model, ru
 
 
 def test_decode_copies_are_auto_on_one_gpu_only():
-    rule = model_runner.alternates_decode_executables
+    rule = llama_forward.alternates_decode_executables
     assert rule(EngineConfig(), "gpu")
     assert not rule(EngineConfig(), "cpu")
     assert not rule(EngineConfig(tensor_parallel_size=2), "gpu")
@@ -790,10 +801,10 @@ def test_decode_copies_are_auto_on_one_gpu_only():
 
 
 def test_default_runner_on_the_cpu_is_segmented_with_per_layer_weights(runner):
-    assert not runner.inline_prefill and runner.stacked_layers is None
+    assert not runner.forward.inline_prefill and runner.stacked_layers is None
     first, second = runner._decode_turns[2].slots
     assert not runner.alternate_decode and first.plan is second.plan
-    assert len(runner.encoder_plan.calls) == 2 * CONFIG.num_hidden_layers + 1
+    assert len(runner.plans["prefill"].calls) == 2 * CONFIG.num_hidden_layers + 1
     with pytest.raises(ValueError, match="stack_decode_weights"):
         EngineConfig(stack_decode_weights=True, tensor_parallel_size=2)
 
@@ -819,8 +830,8 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path, cap
                          64, PAGE)
     summary = runner.compile_all(start_background=False)
     try:
-        assert runner.buckets == model_runner.Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8))
-        assert runner.ready == model_runner.Buckets((16, 64), (1, 4), (1, 2, 8))
+        assert runner.buckets == Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8))
+        assert runner.ready == Buckets((16, 64), (1, 4), (1, 2, 8))
         assert summary.num_deferred == 3  # decode B=4, head B=2, prefill T=32
         assert (runner.stats()["buckets_ready"], runner.stats()["buckets_total"]) == (7, 10)
 
@@ -839,9 +850,9 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path, cap
             readiness.append(runner.ready)
             assert serve()[0] == first
         assert readiness == [
-            model_runner.Buckets((16, 64), (1, 4), (1, 2, 4, 8)),  # decode B=4
-            model_runner.Buckets((16, 64), (1, 2, 4), (1, 2, 4, 8)),  # head B=2
-            model_runner.Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8)),  # prefill T=32
+            Buckets((16, 64), (1, 4), (1, 2, 4, 8)),  # decode B=4
+            Buckets((16, 64), (1, 2, 4), (1, 2, 4, 8)),  # head B=2
+            Buckets((16, 32, 64), (1, 2, 4), (1, 2, 4, 8)),  # prefill T=32
         ]
         assert runner.ready == runner.buckets
         seqs, padded = serve()
@@ -896,12 +907,12 @@ def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
     config = dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path), quick_skeleton=True,
                                  stack_decode_weights=True)
     runner = ModelRunner(model, config, 64, PAGE)
-    per_layer = len(jax.tree_util.tree_leaves((runner.outer_state, runner.layer_states)))
-    stacked = len(jax.tree_util.tree_leaves((runner.outer_state, runner.stacked_layers)))
+    per_layer = len(jax.tree_util.tree_leaves((runner.forward.outer_state, runner.forward.layer_states)))
+    stacked = len(jax.tree_util.tree_leaves((runner.forward.outer_state, runner.stacked_layers)))
     assert stacked < per_layer
     summary = runner.compile_all(start_background=False)
     try:
-        skeleton = model_runner.Buckets((16, 64), (1, 4), (1, 2, 8))
+        skeleton = Buckets((16, 64), (1, 4), (1, 2, 8))
         assert runner.ready == skeleton
         untuned = runner.stats()["plans_untuned"]
         assert untuned == 14 and summary.num_compiled >= untuned  # plans, executables

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenspeed_jax.engine.packed import Packed, PackedBuilder
+from tokenspeed_jax.graph.packed import Packed, PackedBuilder
 
 ODD_FLOATS = np.array([-0.0, np.nan, np.inf, 1e-45], np.float32)  # sign, NaN, inf, subnormal
 

@@ -287,7 +287,7 @@ def _tiny_llama(tp: int) -> dict:
     prompts = [golden[f"prompt_ids{s}"].tolist() for s in SUFFIXES]
     completions = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
                                                              logprobs=0, ignore_eos=True))
-    kernel, stats = llm.runner.prefill_kernel, llm.stats()
+    kernel, stats = llm.runner.forward.prefill_kernel, llm.stats()
     llm.runner.guard.disarm()
     return {"tokens": [c.token_ids for c in completions],
             "logprobs": [[lp.logprob for lp in c.logprobs] for c in completions],
@@ -301,7 +301,7 @@ def _runner_runs() -> dict:
     (interpreted) per KV-head shard, chosen as on a GPU."""
     import dataclasses
 
-    from tokenspeed_jax.engine import model_runner
+    from tokenspeed_jax.models.llama import forward as llama_forward
 
     reference = _tiny_llama(1)
 
@@ -310,7 +310,7 @@ def _runner_runs() -> dict:
         return dataclasses.replace(kernel, blocks=PrefillBlocks(block_q=16, pages_per_block=2),
                                    interpret=True)
 
-    model_runner.choose_prefill_kernel = pallas_kernel
+    llama_forward.choose_prefill_kernel = pallas_kernel
     return {"reference": reference, "pallas": _tiny_llama(2)}
 
 

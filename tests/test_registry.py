@@ -61,19 +61,19 @@ def test_a_checkpoint_loads_through_the_family_its_config_names(name, config_typ
     assert family.config_from_hf(loaded.config.to_hf()) == loaded.config
 
 
-def test_families_name_the_runner_and_reference_that_serve_them():
-    from tokenspeed_jax.engine.kimi_runner import KimiRunner
-    from tokenspeed_jax.engine.model_runner import ModelRunner
+def test_families_name_the_forward_and_reference_that_serve_them():
     from tokenspeed_jax.hybrid_reference import HybridReferenceGenerator
+    from tokenspeed_jax.models.kimi_linear.forward import LatentForward
+    from tokenspeed_jax.models.llama.forward import LlamaForward
     from tokenspeed_jax.reference import ReferenceGenerator
 
     llama, kimi = registry.family_for("llama"), registry.family_for("kimi_linear")
-    assert (llama.runner_class(), llama.reference_generator()) == (ModelRunner,
-                                                                   ReferenceGenerator)
-    assert (kimi.runner_class(), kimi.reference_generator()) == (KimiRunner,
-                                                                 HybridReferenceGenerator)
+    assert (llama.forward_class(), llama.reference_generator()) == (LlamaForward,
+                                                                    ReferenceGenerator)
+    assert (kimi.forward_class(), kimi.reference_generator()) == (LatentForward,
+                                                                  HybridReferenceGenerator)
     assert kimi.has_recurrent_state and not llama.has_recurrent_state
     deepseek = registry.family_for("deepseek_v3")
-    assert (deepseek.runner_class(), deepseek.reference_generator()) == (KimiRunner,
-                                                                         ReferenceGenerator)
+    assert (deepseek.forward_class(), deepseek.reference_generator()) == (LatentForward,
+                                                                          ReferenceGenerator)
     assert not deepseek.has_recurrent_state

@@ -1,5 +1,5 @@
 """Every runner exposes the same statistics whatever the model family it serves, each one a
-Prometheus counter or a gauge: a Llama-family ``ModelRunner`` and Kimi Linear's ``KimiRunner``,
+Prometheus counter or a gauge: the ``ModelRunner`` of a Llama-family model and of Kimi Linear,
 each after one eager step of one request, count the same things under the same names."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from flax import nnx
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
-from tokenspeed_jax.engine.kimi_runner import KimiRunner
-from tokenspeed_jax.engine.model_runner import ModelRunner
+from tokenspeed_jax.engine.runner import ModelRunner
 from tokenspeed_jax.engine.runner_stats import COUNTERS
 from tokenspeed_jax.models.llama import LlamaConfig, LlamaForCausalLM
 from tokenspeed_jax.models.loader import load_checkpoint
@@ -48,7 +47,7 @@ def llama_stats_after_one_eager_step() -> dict[str, float]:
 
 def kimi_stats_after_one_eager_step() -> dict[str, float]:
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    runner = KimiRunner(checkpoint.model, ENGINE, num_pages=4, num_state_slots=2,
+    runner = ModelRunner(checkpoint.model, ENGINE, num_pages=4, num_state_slots=2,
                         page_size=PAGE)
     runner.run_eager([one_request()], plan="reference")
     return runner.stats()

@@ -56,7 +56,7 @@ def _generate(model: str, tp: int, **options) -> dict:
         "compiled": llm.compile_summary.num_compiled,
         "q_proj_devices": len(layer.q_proj[...].sharding.device_set),
         "q_proj_shard": list(layer.q_proj[...].addressable_shards[0].data.shape),
-        "k_pages_shard": list(llm.runner.k_pages[0].addressable_shards[0].data.shape),
+        "k_pages_shard": list(llm.runner.pools["k_pages.0"].addressable_shards[0].data.shape),
     }
     llm.runner.guard.disarm()
     return result

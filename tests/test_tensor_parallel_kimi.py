@@ -173,19 +173,19 @@ def _llama_pallas_decode(tp: int, fused: bool = True) -> dict:
     import dataclasses
 
     from tokenspeed_jax import LLM, SamplingParams
-    from tokenspeed_jax.engine import model_runner
     from tokenspeed_jax.kernels.paged_attention_backend import choose_decode_kernel
+    from tokenspeed_jax.models.llama import forward as llama_forward
 
     def pallas_kernel(**options):
         kernel = choose_decode_kernel(**options, platform="gpu")
         return dataclasses.replace(kernel, pages_per_compute_block=2, k_splits=2, interpret=True)
 
-    model_runner.choose_decode_kernel = pallas_kernel
+    llama_forward.choose_decode_kernel = pallas_kernel
     llm = LLM(str(GOLDEN / "tiny_llama"), tensor_parallel_size=tp, fused_decode_attention=fused,
               **{**ENGINE, "page_size": 8})
     completions = llm.generate(list(PROMPTS), SamplingParams(temperature=0.0, max_tokens=6,
                                                              logprobs=0, ignore_eos=True))
-    kernel = llm.runner.decode_kernel
+    kernel = llm.runner.forward.decode_kernel
     result = {"steps": [step_logprobs(c) for c in completions],
               "backend": kernel.backend, "kernel_devices": 0 if kernel.mesh is None
               else kernel.mesh.size, "decode_runs": llm.stats()["decode_runs"],

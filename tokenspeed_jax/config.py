@@ -97,8 +97,8 @@ class EngineConfig:
     stack_decode_weights: bool | None = None
     # Load each decode executable twice and let successive decode steps take turns, so neither
     # copy's command buffer (CUDA graph) sees a buffer address change and is re-recorded before
-    # its launch (engine/model_runner.py). None = auto: on one GPU; off on the CPU, which has no
-    # command buffers (Llama-family models).
+    # its launch (engine/runner.py). None = auto: on one GPU; off on the CPU, which has no
+    # command buffers.
     alternate_decode_executables: bool | None = None
     # Run KDA layers at a break (the ordinary route) instead of inline in the prefill segments.
     disable_kda_prefill_graph: bool = False
@@ -247,7 +247,7 @@ class EngineConfig:
 def warn_inapplicable(config: EngineConfig, names: Sequence[str], runner: str,
                       log: logging.Logger) -> None:
     """Log each setting of ``names`` that differs from its default although ``runner`` (the model
-    family's runner) has no such route, so a flag given for another family is not silently
+    family's forward) has no such route, so a flag given for another family is not silently
     dropped."""
     defaults = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
     for name in names:

@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokenspeed_jax.engine.batch import StepOutput, StepRequest, split_decode_rows
-from tokenspeed_jax.engine.packed import Packed
 from tokenspeed_jax.engine.sampler import (
     SamplingArrays,
     dense_logit_bias,
@@ -42,6 +41,7 @@ from tokenspeed_jax.engine.sampler import (
     top_logprobs,
 )
 from tokenspeed_jax.graph import Break, Call, CompiledPlan, Plan, abstract, run_eager
+from tokenspeed_jax.graph.packed import Packed
 from tokenspeed_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from tokenspeed_jax.structured.bitmask import apply_token_bitmask, full_bitmask
 

@@ -27,6 +27,7 @@ from tokenspeed_jax import parallel
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine import sizing_record
 from tokenspeed_jax.engine.engine import Engine
+from tokenspeed_jax.engine.runner import ModelRunner
 from tokenspeed_jax.engine.state_slots import StateSlots
 from tokenspeed_jax.models.cache_spec import PAGE, SLOT, unit_bytes
 
@@ -193,14 +194,10 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
             config = dataclasses.replace(config, enable_prefix_caching=False)
         state_slots = hybrid_state_slots(config)
         reserved = state_slots.num_slots * unit_bytes(pools, SLOT, devices)
-    runner_class = family.runner_class()
-    reserved += runner_class.extra_device_bytes(config, loaded.model)
+    reserved += ModelRunner.extra_device_bytes(config, loaded.model)
     num_pages = num_kv_pages(config, page_bytes, reserved, model=str(loaded.path))
-    if state_slots is None:
-        runner = runner_class(loaded.model, config, num_pages, config.page_size)
-    else:
-        runner = runner_class(loaded.model, config, num_pages=num_pages,
-                              num_state_slots=state_slots.num_slots, page_size=config.page_size)
+    runner = ModelRunner(loaded.model, config, num_pages, config.page_size,
+                         num_state_slots=0 if state_slots is None else state_slots.num_slots)
     summary = runner.compile_all()
     budget = config.prefill_token_limit if config.chunked_prefill_size else config.max_model_len
     engine = Engine(

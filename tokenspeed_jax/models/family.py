@@ -3,8 +3,9 @@
 A family is a folder under ``models/`` (``llama/``, ``kimi_linear/``) whose ``family.py`` fills
 one ``Family``: the ``model_type`` values it accepts, how its config is built from a checkpoint's
 config.json (and from GGUF metadata where it reads GGUF files), its model class, its checkpoint
-weight map, its tensor-parallel rules, its cache pools (``cache_spec``), and which runner and
-reference generator serve it. ``models/registry.py`` maps a config to its family;
+weight map, its tensor-parallel rules, its cache pools (``cache_spec``), its forward in segments
+(``models/forward.py``: the pieces of each route, which ``engine/runner.py`` serves) and its
+reference generator. ``models/registry.py`` maps a config to its family;
 no other module tells families apart.
 
 Invariants:
@@ -18,7 +19,7 @@ Invariants:
   an unknown one (ValueError), so a new parameter cannot silently stay replicated;
   ``check_split`` raises ValueError naming the numbers for a split the config cannot take, before
   any weight is placed.
-* The runner and the reference generator are named ``"module:attribute"`` and imported on first
+* The forward and the reference generator are named ``"module:attribute"`` and imported on first
   use: models sit below the engine and never import it.
 """
 
@@ -71,7 +72,7 @@ class Family:
     # (config, mesh, cache names) -> {plan value name: sharding} of the runner's plans under
     # tensor parallelism: the hand-off values split by head and every named cache
     plan_value_shardings: Callable[[Any, Mesh, Sequence[str]], Mapping[str, NamedSharding]]
-    runner: str
+    forward: str
     reference: str
     # whether each running request also holds a row of recurrent state (``SLOT`` pools)
     has_recurrent_state: bool = False
@@ -110,9 +111,9 @@ class Family:
         state = nnx.state(model)
         nnx.update(model, jax.device_put(state, self.state_shardings(state, model.config, mesh)))
 
-    def runner_class(self) -> type:
-        """The runner class that serves this family."""
-        return _resolve(self.runner)
+    def forward_class(self) -> type:
+        """The family's ``Forward`` class (its forward in segments)."""
+        return _resolve(self.forward)
 
     def reference_generator(self) -> type:
         """The reference generator class (plain forward) of this family."""

@@ -4,7 +4,7 @@ One module per job: ``config`` (the config.json and what is refused), ``rope`` (
 rotary tables and the softmax scale), ``model`` (the layers, the stage interface and the plain
 forwards over dense or paged latent caches), ``weights`` (checkpoint names and loading),
 ``sharding`` (the tensor-parallel split check) and ``family`` (the declaration the registry
-serves: the latent-attention runner, ``engine/kimi_runner.py``, with no recurrent state).
+serves: the latent forward, ``models/kimi_linear/forward.py``, with no recurrent state).
 
 What a runner needs from the family: the cache is one latent page pool per layer,
 ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` in the cache dtype (``latent_pages``),

@@ -1,5 +1,5 @@
 """DeepSeek-V3's declaration (``model_type`` ``deepseek_v3`` and ``kimi_k2``): MLA with RoPE + MoE
-from HF directories, served by the latent-attention runner (``KimiRunner``: every layer an MLA
+from HF directories, served with the latent forward (``kimi_linear/forward.py``: every layer an MLA
 layer, no recurrent state) with a paged latent cache.
 
 Invariants: a page holds one latent row ``[page_size, kv_lora_rank + qk_rope_head_dim]`` per
@@ -61,6 +61,6 @@ FAMILY = Family(
     param_spec=latent_sharding.param_spec,
     cache_pools=cache_pools,
     plan_value_shardings=latent_sharding.plan_value_shardings,
-    runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
+    forward="tokenspeed_jax.models.kimi_linear.forward:LatentForward",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
 )

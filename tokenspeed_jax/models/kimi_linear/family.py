@@ -1,5 +1,5 @@
-"""Kimi Linear's declaration: KDA + MLA + MoE from HF directories, served by ``KimiRunner``
-with a paged latent cache and a pool of recurrent KDA state rows.
+"""Kimi Linear's declaration: KDA + MLA + MoE from HF directories, served with its forward in
+segments (``forward.py``) with a paged latent cache and a pool of recurrent KDA state rows.
 
 Invariants: a page holds one latent row ``[page_size, kv_lora_rank + qk_rope_head_dim]`` per MLA
 layer; a state row holds, per KDA layer, the recurrent state ``[H, K, K]`` (in the state dtype)
@@ -60,7 +60,7 @@ FAMILY = Family(
     cache_pools=cache_pools,
     plan_value_shardings=sharding.plan_value_shardings,
     has_recurrent_state=True,
-    runner="tokenspeed_jax.engine.kimi_runner:KimiRunner",
+    forward="tokenspeed_jax.models.kimi_linear.forward:LatentForward",
     reference="tokenspeed_jax.hybrid_reference:HybridReferenceGenerator",
     checkpoint_name=checkpoint_name,
 )

@@ -1,5 +1,5 @@
 """The Llama family's declaration: Llama 3, Qwen2, Qwen3 and SmolLM2, from HF directories and
-GGUF files, served by ``ModelRunner`` over a paged K/V cache.
+GGUF files, served with its forward in segments (``forward.py``) over a paged K/V cache.
 
 Invariants: a page holds K and V ``[page_size, Hkv, Dh]`` per layer; the checkpoint tensors
 allowed to go unused are rotary ``inv_freq`` buffers and, with tied embeddings, a redundant
@@ -45,7 +45,7 @@ FAMILY = Family(
     param_spec=sharding.param_spec,
     cache_pools=cache_pools,
     plan_value_shardings=sharding.plan_value_shardings,
-    runner="tokenspeed_jax.engine.model_runner:ModelRunner",
+    forward="tokenspeed_jax.models.llama.forward:LlamaForward",
     reference="tokenspeed_jax.reference:ReferenceGenerator",
     gguf=GGUFReader(config=gguf.config_from_gguf, tensors=gguf.iter_gguf_tensors),
 )
