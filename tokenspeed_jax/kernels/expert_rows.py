@@ -128,10 +128,12 @@ def expert_rows_problem(*, hidden: int, intermediate: int, dtype: jnp.dtype,
 def choose_expert_rows_kernel(*, hidden: int, intermediate: int, dtype: jnp.dtype,
                               platform: str | None = None) -> ExpertRowsKernel:
     """The decode-sized expert path for this platform (default: JAX's default backend): the
-    Pallas kernel on a GPU, the reference elsewhere; off on a GPU for a shape the kernel cannot
-    take (the reason logged), since the reference copies each pair's weights."""
+    Pallas kernel on a GPU; off elsewhere and on a GPU for a shape the kernel cannot take (the
+    reason logged), since the reference copies each pair's weights and sums in another order
+    than the sorted path (the CPU keeps that path's numerics; tests choose the reference or
+    the interpreted kernel explicitly)."""
     if not on_gpu(platform):
-        return ExpertRowsKernel(REFERENCE)
+        return NO_EXPERT_ROWS
     problem = expert_rows_problem(hidden=hidden, intermediate=intermediate, dtype=dtype)
     if problem is not None:
         _log_off_once(problem)
