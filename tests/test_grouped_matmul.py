@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tokenspeed_jax.kernels.expert_rows import NO_EXPERT_ROWS
 from tokenspeed_jax.kernels.grouped_matmul import (
     REFERENCE_GROUPED_MATMUL,
     GroupedMatmulBlocks,
@@ -168,11 +169,12 @@ def test_the_pallas_kernel_is_chosen_on_gpus_for_sizes_its_blocks_divide():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_moe_with_the_pallas_kernel_matches_ragged_dot(dtype):
-    def moe(kernel=None):
+    def moe(kernel=None):  # the sorted path at every pair count: it runs the grouped matmuls
         extra = {} if kernel is None else {"grouped_kernel": kernel}
         return KimiMoE(32, 16, num_experts=8, top_k=2, num_groups=2, topk_groups=2,
                        num_shared=1, renormalize=True, scaling=2.0, dtype=dtype,
-                       param_dtype=dtype, rngs=nnx.Rngs(3), **extra)
+                       param_dtype=dtype, rngs=nnx.Rngs(3), expert_rows_kernel=NO_EXPERT_ROWS,
+                       **extra)
 
     pallas = GroupedMatmulKernel(PALLAS, GroupedMatmulBlocks(16, 16, 16), interpret=True)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 12, 32)), dtype)

@@ -43,8 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.attention_ref import HIGHEST
-from tokenspeed_jax.kernels.kernel_math import dot, is_power_of_2
+from tokenspeed_jax.kernels.kernel_math import dot, dot_precision, is_power_of_2
 from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
@@ -107,10 +106,6 @@ def choose_grouped_kernel(*, sizes: tuple[int, ...], dtype: jnp.dtype,
                        jnp.dtype(dtype).name, sizes)
         return REFERENCE_GROUPED_MATMUL
     return GroupedMatmulKernel(PALLAS, blocks)
-
-
-def _precision(dtype: jnp.dtype) -> lax.Precision:
-    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 # ----------------------------------------------------------------------------- tile schedule
@@ -213,7 +208,7 @@ def grouped_matmul(
     if padded_rows > num_rows:
         lhs = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))
     kernel = functools.partial(_grouped_kernel, block_m=blocks.block_m, block_k=blocks.block_k,
-                               precision=_precision(lhs.dtype))
+                               precision=dot_precision(lhs.dtype))
     whole = pl.BlockSpec(index_map=lambda tile, column: (0, 0))
     out = pl.pallas_call(
         kernel,
@@ -239,7 +234,7 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array,
     """The same function: ``lax.ragged_dot`` with the module's precision rule."""
     _check_operands(lhs, rhs, group_sizes)
     return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                          precision=_precision(lhs.dtype))
+                          precision=dot_precision(lhs.dtype))
 
 
 def apply_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,

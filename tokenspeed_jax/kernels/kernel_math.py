@@ -17,6 +17,12 @@ LOG2E = math.log2(math.e)  # attention scores are taken in base 2: exp(x) = exp2
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: an all-masked block makes no NaN
 
 
+def dot_precision(dtype) -> lax.Precision:
+    """The precision of a kernel's dots over ``dtype`` operands: exact float32 (``HIGHEST``, no
+    TF32) for float32, the default for narrower types (their products are exact in float32)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
 def dot(a, b, precision):
     """a @ b in fp32."""
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)

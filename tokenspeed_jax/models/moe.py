@@ -10,17 +10,28 @@ Routing (``KimiMoE.route``), per token, in float32:
 * weights are the chosen experts' plain scores, renormalised to sum to one when
   ``moe_renormalize`` (+1e-20, as the reference does), then times ``routed_scaling_factor``.
 
-Experts run as grouped matmuls (``expert_mlp``) over the token-expert assignments sorted by
-expert; shapes stay static. Shared experts run on every token and add. ``grouped_kernel`` picks
-the grouped matmul; by default ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel
-(tokens x top-k of work) on GPUs, ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it
-densely, tokens x experts of work).
+The routed experts take one of two paths, chosen statically by the call's (token, expert) pair
+count, tokens x top-k (a static shape under jit, as a decode step's batch bucket is):
+
+* up to ``expert_rows_kernel.max_pairs`` pairs (decode sizes), ``routed_through_rows``: the pairs
+  in their (token, k) order, each row through its own expert's weights
+  (``kernels/expert_rows.py``), then each token's weighted sum over its k; no sort, no scatter;
+* more, ``routed_through_groups``: grouped matmuls (``expert_mlp``) over the pairs sorted by
+  expert, scattered back by token.
+
+Both compute the same function with the same roundings (up to summation order); shapes stay
+static. Shared experts run on every token and add. ``grouped_kernel`` picks the grouped matmul;
+by default ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel (tokens x top-k of
+work) on GPUs, ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it densely, tokens x experts
+of work). ``expert_rows_kernel`` picks the other path's implementation and its threshold; by
+default ``expert_rows.choose_expert_rows_kernel`` does (Pallas on GPUs, the reference elsewhere).
 
 Expert parallelism (``mesh`` given, ``parallel`` splits ``w1``/``w3``/``w2`` over the experts):
 the router runs replicated, so every device picks the same experts; under ``jax.shard_map`` each
-device runs only the pairs routed to its own contiguous range of experts (the others sort last and
-are masked out) and one ``psum`` adds the devices' partial sums. Without a mesh the same code runs
-with all experts local. Weight layouts: ``gate [D, E]`` (float32), ``w1, w3 [E, D, F]``,
+device runs only the pairs routed to its own contiguous range of experts (on the sorted path the
+others sort last and are masked out; on the rows path their expert ids fall outside the local
+range and give zeros without a weight read) and one ``psum`` adds the devices' partial sums.
+Without a mesh the same code runs with all experts local. Weight layouts: ``gate [D, E]`` (float32), ``w1, w3 [E, D, F]``,
 ``w2 [E, F, D]``, MLP ``gate_proj, up_proj [D, F]``, ``down_proj [F, D]``.
 """
 
@@ -34,6 +45,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from tokenspeed_jax import parallel
+from tokenspeed_jax.kernels.expert_rows import (
+    ExpertRowsKernel,
+    apply_expert_rows,
+    choose_expert_rows_kernel,
+)
 from tokenspeed_jax.kernels.grouped_matmul import (
     REFERENCE_GROUPED_MATMUL,
     GroupedMatmulKernel,
@@ -74,6 +90,39 @@ def expert_mlp(rows: jax.Array, sizes: jax.Array, w1: jax.Array, w3: jax.Array, 
     return grouped(nnx.silu(grouped(rows, w1)) * grouped(rows, w3), w2)
 
 
+def routed_through_groups(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
+                          w3: jax.Array, w2: jax.Array, first: jax.Array | int, *, dtype: Any,
+                          kernel: GroupedMatmulKernel = REFERENCE_GROUPED_MATMUL) -> jax.Array:
+    """float32 [T, D]: the weighted outputs of the (token, expert) pairs (``experts`` int32 and
+    ``weights`` float32 [T, k]) whose expert is one of the ``w1.shape[0]`` local experts
+    ``first, first + 1, ...``, through grouped matmuls over the pairs sorted by expert."""
+    local = w1.shape[0]
+    flat = experts.reshape(-1) - first
+    mine = (flat >= 0) & (flat < local)
+    key = jnp.where(mine, flat, local)  # pairs of other experts sort last, in no group
+    order = jnp.argsort(key, stable=True)
+    token = order // experts.shape[1]
+    sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
+    out = expert_mlp(jnp.take(x, token, axis=0), sizes, w1, w3, w2, dtype=dtype,
+                     kernel=kernel).astype(jnp.float32)
+    keep = jnp.take(mine, order)[:, None]  # rows past the local groups hold no result
+    out = jnp.where(keep, out * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
+    return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+
+
+def routed_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
+                        w3: jax.Array, w2: jax.Array, first: jax.Array | int, *, dtype: Any,
+                        kernel: ExpertRowsKernel) -> jax.Array:
+    """``routed_through_groups``'s result with the pairs in their (token, k) order, each through
+    its own expert (``kernels/expert_rows.py``), then each token's weighted sum over its k."""
+    num_tokens, top_k = experts.shape
+    token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), top_k)
+    out = apply_expert_rows(x.astype(dtype), token, experts.reshape(-1) - first,
+                            *(w.astype(dtype) for w in (w1, w3, w2)), kernel=kernel)
+    out = out.astype(jnp.float32).reshape(num_tokens, top_k, -1)
+    return jnp.sum(weights[..., None] * out, axis=1)
+
+
 class KimiMoE(nnx.Module):
     """Routed experts plus shared experts; see the module docstring for the routing rule."""
 
@@ -93,6 +142,7 @@ class KimiMoE(nnx.Module):
         param_dtype: Any,
         rngs: nnx.Rngs,
         grouped_kernel: GroupedMatmulKernel | None = None,
+        expert_rows_kernel: ExpertRowsKernel | None = None,
     ) -> None:
         if num_experts % num_groups:
             raise ValueError(f"num_experts={num_experts} must be a multiple of "
@@ -118,6 +168,8 @@ class KimiMoE(nnx.Module):
         self.dtype = dtype
         self.grouped_kernel = grouped_kernel or choose_grouped_kernel(
             sizes=(hidden, intermediate), dtype=dtype)
+        self.expert_rows_kernel = expert_rows_kernel or choose_expert_rows_kernel(
+            hidden=hidden, intermediate=intermediate, dtype=dtype)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (expert ids int32 [T, k], float32 weights [T, k])."""
@@ -141,20 +193,13 @@ class KimiMoE(nnx.Module):
 
     def _routed(self, x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
                 w3: jax.Array, w2: jax.Array, first: jax.Array | int) -> jax.Array:
-        """float32 [T, D]: the weighted outputs of the (token, expert) pairs whose expert is one of
-        the ``w1.shape[0]`` local experts ``first, first + 1, ...``."""
-        local = w1.shape[0]
-        flat = experts.reshape(-1) - first
-        mine = (flat >= 0) & (flat < local)
-        key = jnp.where(mine, flat, local)  # pairs of other experts sort last, in no group
-        order = jnp.argsort(key, stable=True)
-        token = order // self.top_k
-        sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
-        out = expert_mlp(jnp.take(x, token, axis=0), sizes, w1, w3, w2, dtype=self.dtype,
-                         kernel=self.grouped_kernel).astype(jnp.float32)
-        keep = jnp.take(mine, order)[:, None]  # rows past the local groups hold no result
-        out = jnp.where(keep, out * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
-        return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+        """float32 [T, D]: the weighted outputs of the pairs of the local experts ``first, ...``,
+        on the path the pair count picks (module docstring)."""
+        if self.expert_rows_kernel.takes(experts.size):
+            return routed_through_rows(x, experts, weights, w1, w3, w2, first, dtype=self.dtype,
+                                       kernel=self.expert_rows_kernel)
+        return routed_through_groups(x, experts, weights, w1, w3, w2, first, dtype=self.dtype,
+                                     kernel=self.grouped_kernel)
 
     def __call__(self, x: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
         """x [..., D] -> [..., D]; ``mesh``: experts split over it (module docstring)."""

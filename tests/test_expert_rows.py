@@ -1,0 +1,199 @@
+"""The expert-rows kernel (``kernels/expert_rows.py``): the Pallas kernel (interpreted on the CPU)
+against its reference, the reference against a float64 loop over the pairs, the split count, the
+choice per platform; and the MoE's rows path against its sorted grouped path, on one device and
+with the experts split over 2 devices.
+
+The split run happens in a subprocess that sees several CPU devices (``parallel_checks``): this
+file run as a script is that worker and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tokenspeed_jax.kernels.expert_rows import (
+    MAX_PAIRS,
+    NO_EXPERT_ROWS,
+    ExpertRowsBlocks,
+    ExpertRowsKernel,
+    choose_expert_rows_kernel,
+    expert_rows_mlp,
+    expert_rows_mlp_reference,
+    split_count,
+)
+from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, REFERENCE
+from tokenspeed_jax.models.moe import KimiMoE
+
+T, D, F, E = 16, 32, 64, 6
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+BLOCKS = {  # with 16-wide blocks the up projection has 2 steps of K, the down projection 4
+    "unsplit": ExpertRowsBlocks(16, 16, fill_programs=1),
+    "split": ExpertRowsBlocks(16, 16, fill_programs=10**6),  # a split per step
+    "dot_rows": ExpertRowsBlocks(16, 16, dot_rows=True, fill_programs=10**6),
+}
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def operands(dtype, num_pairs: int, seed: int = 0):
+    """x, token, expert, w1, w3, w2 for ``num_pairs`` pairs. From 3 pairs on the second repeats
+    the first's expert and the last has expert -1 (another device's); from 8 on the third has
+    expert E (past the stack) and the fourth repeats the first's token."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((T, D)), dtype)
+    w1, w3 = (jnp.asarray(rng.standard_normal((E, D, F)) / np.sqrt(D), dtype) for _ in range(2))
+    w2 = jnp.asarray(rng.standard_normal((E, F, D)) / np.sqrt(F), dtype)
+    token = rng.integers(0, T, num_pairs)
+    expert = rng.integers(0, E, num_pairs)
+    if num_pairs >= 3:
+        expert[1], expert[-1] = expert[0], -1
+    if num_pairs >= 8:
+        expert[2], token[3] = E, token[0]
+    return x, jnp.asarray(token, jnp.int32), jnp.asarray(expert, jnp.int32), w1, w3, w2
+
+
+def assert_close(actual, expected, dtype):
+    tolerance = TOLERANCE[dtype]
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64),
+                               rtol=tolerance, atol=tolerance)
+
+
+def loop_reference(x, token, expert, w1, w3, w2, dtype) -> np.ndarray:
+    """float64, pair by pair, rounding each projection and the activation to ``dtype`` as the
+    module's contract says; zeros for an expert outside the stack."""
+    def rounded(value):
+        return np.asarray(jnp.asarray(value, jnp.float32).astype(dtype), np.float64)
+
+    x, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, w1, w3, w2))
+    out = np.zeros((len(token), x.shape[1]))
+    for pair, (row, e) in enumerate(zip(np.asarray(token), np.asarray(expert))):
+        if 0 <= e < w1.shape[0]:
+            gate, up = rounded(x[row] @ w1[e]), rounded(x[row] @ w3[e])
+            out[pair] = rounded(rounded(gate / (1 + np.exp(-gate))) * up) @ w2[e]
+    return out
+
+
+@pytest.mark.parametrize("blocks", BLOCKS.values(), ids=BLOCKS.keys())
+@pytest.mark.parametrize("num_pairs", [1, 3, 8, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_kernel_matches_the_reference(dtype, num_pairs, blocks):
+    args = operands(dtype, num_pairs)
+    out = expert_rows_mlp(*args, blocks=blocks, interpret=True)
+    assert out.shape == (num_pairs, D) and out.dtype == dtype
+    assert_close(out, expert_rows_mlp_reference(*args), dtype)
+    outside = ~((args[2] >= 0) & (args[2] < E))
+    assert not np.any(np.asarray(out, np.float32)[np.asarray(outside)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_reference_matches_a_loop_over_the_pairs(dtype):
+    args = operands(dtype, 8, seed=1)
+    assert_close(expert_rows_mlp_reference(*args), loop_reference(*args, dtype), dtype)
+
+
+def test_split_count_is_the_fewest_dividing_splits_that_fill_the_programs():
+    assert split_count(programs=8, steps=36, fill_programs=128) == 18  # 16 does not divide 36
+    assert split_count(programs=64, steps=36, fill_programs=128) == 2
+    assert split_count(programs=144, steps=16, fill_programs=128) == 1
+    assert split_count(programs=1, steps=4, fill_programs=128) == 4  # at most one per step
+    assert split_count(programs=8, steps=7, fill_programs=1) == 1
+
+
+def test_bad_operands_and_knobs_are_rejected():
+    x, token, expert, w1, w3, w2 = operands(jnp.float32, 3)
+    with pytest.raises(ValueError, match=r"w3 \(6, 32, 64\) and w2 \(6, 32, 64\) must be"):
+        expert_rows_mlp_reference(x, token, expert, w1, w3, w3)
+    with pytest.raises(ValueError, match="one dtype"):
+        expert_rows_mlp_reference(x.astype(jnp.bfloat16), token, expert, w1, w3, w2)
+    with pytest.raises(ValueError, match="one .P. shape"):
+        expert_rows_mlp_reference(x, token, expert[:2], w1, w3, w2)
+    with pytest.raises(ValueError, match="hidden=32 and intermediate=64 must be multiples"):
+        expert_rows_mlp(x, token, expert, w1, w3, w2, blocks=ExpertRowsBlocks(64, 16),
+                        interpret=True)
+    with pytest.raises(ValueError, match="powers of 2"):
+        ExpertRowsBlocks(48, 16)
+    with pytest.raises(ValueError, match="max_pairs=-1"):
+        ExpertRowsKernel(max_pairs=-1)
+
+
+def test_the_pallas_kernel_is_chosen_on_gpus_and_shows_in_the_repr():
+    kimi = {"hidden": 2304, "intermediate": 1024, "dtype": jnp.bfloat16}
+    gpu = choose_expert_rows_kernel(**kimi, platform="gpu")
+    assert (gpu.backend, gpu.max_pairs) == (PALLAS, MAX_PAIRS)
+    assert "backend='pallas'" in repr(gpu) and f"max_pairs={MAX_PAIRS}" in repr(gpu)
+    assert choose_expert_rows_kernel(**kimi, platform="cpu") == NO_EXPERT_ROWS
+    # shapes or dtypes the kernel cannot take turn the path off on a GPU: the reference would
+    # copy every pair's expert weights there
+    assert choose_expert_rows_kernel(hidden=2304, intermediate=1000, dtype=jnp.bfloat16,
+                                     platform="gpu") == NO_EXPERT_ROWS
+    assert choose_expert_rows_kernel(hidden=2304, intermediate=1024, dtype=jnp.int8,
+                                     platform="gpu") == NO_EXPERT_ROWS
+
+
+# ----------------------------------------------------------------------------- the MoE's paths
+
+PALLAS_ROWS = ExpertRowsKernel(PALLAS, blocks=ExpertRowsBlocks(16, 16), interpret=True)
+
+
+def small_moe(dtype, expert_rows_kernel: ExpertRowsKernel) -> KimiMoE:
+    return KimiMoE(32, 16, num_experts=8, top_k=2, num_groups=2, topk_groups=2, num_shared=1,
+                   renormalize=True, scaling=2.0, dtype=dtype, param_dtype=dtype,
+                   rngs=nnx.Rngs(3), expert_rows_kernel=expert_rows_kernel)
+
+
+def tokens(dtype, num_tokens: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(4).standard_normal((num_tokens, 32)), dtype)
+
+
+@pytest.mark.parametrize("rows", [ExpertRowsKernel(REFERENCE), PALLAS_ROWS],
+                         ids=["reference", "pallas"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_moe_rows_path_matches_the_sorted_path(dtype, num_tokens, rows):
+    x = tokens(dtype, num_tokens)
+    expected = small_moe(dtype, NO_EXPERT_ROWS)(x)
+    actual = small_moe(dtype, rows)(x)
+    assert actual.shape == x.shape and actual.dtype == expected.dtype
+    assert_close(actual, expected, dtype)
+
+
+def test_the_pair_count_picks_the_path():
+    moe = small_moe(jnp.float32, ExpertRowsKernel(max_pairs=4))  # top-2: 2 tokens, 4 pairs
+
+    def sorts(num_tokens: int) -> bool:
+        jaxpr = str(jax.make_jaxpr(moe)(tokens(jnp.float32, num_tokens)))
+        return re.search(r"\bsort\[", jaxpr) is not None  # the primitive, not a parameter
+
+    assert not sorts(2) and sorts(3)
+
+
+def _split_experts_worker() -> dict:
+    """The largest |difference| between the rows path with the experts split over 2 devices
+    and, unsplit, the rows path and the sorted path (float32, 3 tokens: 6 pairs)."""
+    from tokenspeed_jax.parallel import make_mesh
+
+    x = tokens(jnp.float32, 3)
+    mesh = make_mesh(2)
+    split = small_moe(jnp.float32, PALLAS_ROWS)(x, mesh=mesh)
+    whole = {"rows": small_moe(jnp.float32, PALLAS_ROWS)(x),
+             "sorted": small_moe(jnp.float32, NO_EXPERT_ROWS)(x),
+             "sorted_split": small_moe(jnp.float32, NO_EXPERT_ROWS)(x, mesh=mesh)}
+    return {name: float(jnp.abs(split - out).max()) for name, out in whole.items()}
+
+
+def test_rows_path_with_the_experts_split_over_two_devices():
+    from parallel_checks import run_on_cpu_devices
+
+    differences = run_on_cpu_devices(__file__)
+    assert set(differences) == {"rows", "sorted", "sorted_split"}
+    assert max(differences.values()) < 1e-5, differences
+
+
+if __name__ == "__main__":
+    print(json.dumps(_split_experts_worker()))

@@ -1,0 +1,311 @@
+"""The routed experts of a few (token, expert) pairs, each pair's row through its own expert's
+weights in place: no sort by expert, no weight copy. The MoE's decode-sized path.
+
+Contract: ``x [T, D]``, ``token i32[P]``, ``expert i32[P]``, ``w1, w3 [E, D, F]``,
+``w2 [E, F, D]``, all floats of one dtype -> ``[P, D]`` in that dtype: row ``p`` is the SwiGLU
+expert MLP ``w2[e] (silu(x[t] @ w1[e]) * (x[t] @ w3[e]))`` with ``t = token[p]``,
+``e = expert[p]``. Invariants:
+
+* A pair whose expert id is outside ``[0, E)`` (under expert parallelism, an expert of another
+  device) gives a row of zeros; its programs read no weight. Token ids are data, not checked:
+  they must be in ``[0, T)``.
+* The arithmetic of ``moe.expert_mlp`` over the same pairs (the sorted grouped matmuls): each
+  projection sums in float32 (float32 operands exactly, ``kernel_math.dot_precision``) and is
+  rounded once to the dtype; silu and the product run in the dtype (``swiglu``).
+* Pairs may repeat experts and tokens in any order; each pair is computed on its own, so a
+  repeated expert's weights are requested once per pair (the repeats hit L2 only when they come
+  close together in time).
+
+Two implementations of one function, chosen statically by an ``ExpertRowsKernel``:
+
+* ``expert_rows_mlp``, two Pallas calls (Triton lowering, ``pallas_backend``): the gate and up
+  projections together, then the down projection. A call has one program per (pair, block of
+  ``block_n`` output columns, split of the contraction), pairs varying fastest in the launch order
+  so that the pairs of one expert ask for each weight block at about the same time. Each program
+  reads its pair's expert id and indexes the whole weight stack with it. The contraction is cut
+  into ``split_count`` equal ranges of whole ``block_k`` steps when the (pair, column block)
+  programs alone are fewer than ``fill_programs``; every split writes float32 partial sums
+  ``[S, P, N]``, added after the call, so the activation and the rounding see whole sums. A
+  pair's single row is either multiplied and summed (products accumulated in a
+  ``[block_k, block_n]`` float32 block, reduced once at the end) or, with ``dot_rows``, taken as a
+  dot of 16 rows, the other 15 zero (Triton's smallest dot; zero rows add exact zeros).
+* ``expert_rows_mlp_reference``: each pair's expert weights gathered, then einsums.
+
+``ExpertRowsKernel.max_pairs`` is where the MoE switches to this path (``takes``); above it, the
+sorted grouped matmuls read each touched expert once however many pairs share it.
+``choose_expert_rows_kernel`` picks the Pallas kernel on GPUs and the reference elsewhere; a
+shape the kernel cannot take on a GPU turns the path off (``max_pairs=0``), the reason logged. The
+kernel raises on what it cannot run; nothing falls back at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.kernel_math import dot, dot_precision, is_power_of_2
+from tokenspeed_jax.kernels.paged_attention_backend import (
+    MIN_DOT_DIM,
+    PALLAS,
+    PALLAS_DTYPES,
+    REFERENCE,
+    check_pallas_or_reference,
+    on_gpu,
+)
+from tokenspeed_jax.kernels.paged_decode import FILL_PROGRAMS
+
+logger = logging.getLogger(__name__)
+
+# Pairs per call at most on this path: a decode step of up to 8 tokens at top-8. More pairs
+# share more experts, whose weights this path reads once per pair and the sorted grouped matmuls
+# once per expert (bench_expert_rows.py times both sides of the switch).
+MAX_PAIRS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRowsBlocks:
+    """Tuning knobs of the Pallas kernel, shared by its two calls."""
+
+    block_n: int = 128  # output columns per program; must divide D and F
+    block_k: int = 64  # contraction step; must divide D and F
+    dot_rows: bool = False  # a pair's row as a dot of 16 rows, not a multiply-and-sum
+    fill_programs: int = FILL_PROGRAMS  # split the contraction until this many programs
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        blocks = (self.block_n, self.block_k)
+        if not all(is_power_of_2(block) and block >= MIN_DOT_DIM for block in blocks):
+            raise ValueError(f"block_n, block_k = {blocks} must be powers of 2 >= {MIN_DOT_DIM}")
+        if self.fill_programs < 1:
+            raise ValueError(f"fill_programs={self.fill_programs} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRowsKernel:
+    """Whether a call's routed pairs take this path (at most ``max_pairs`` of them; 0: never) and
+    how it runs: the backend, the Pallas kernel's knobs, and interpretation (``None``: interpret
+    on the CPU, compile on the GPU)."""
+
+    backend: str = REFERENCE
+    max_pairs: int = MAX_PAIRS
+    blocks: ExpertRowsBlocks = ExpertRowsBlocks()
+    interpret: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_pallas_or_reference(self.backend)
+        if self.max_pairs < 0:
+            raise ValueError(f"max_pairs={self.max_pairs} must be >= 0")
+
+    def takes(self, num_pairs: int) -> bool:
+        """Whether a call of ``num_pairs`` (token, expert) pairs runs through this module."""
+        return num_pairs <= self.max_pairs
+
+
+NO_EXPERT_ROWS = ExpertRowsKernel(max_pairs=0)  # every pair count takes the grouped matmuls
+
+
+def expert_rows_problem(*, hidden: int, intermediate: int, dtype: jnp.dtype,
+                        blocks: ExpertRowsBlocks = ExpertRowsBlocks()) -> str | None:
+    """Why the Pallas kernel cannot run experts of this shape, or None when it can: both
+    projections' sizes are multiples of both blocks, and the dtype is one it takes."""
+    if jnp.dtype(dtype).name not in PALLAS_DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not one of {PALLAS_DTYPES}"
+    step = max(blocks.block_n, blocks.block_k)
+    if hidden % step or intermediate % step:
+        return (f"hidden={hidden} and intermediate={intermediate} must be multiples of "
+                f"block_n={blocks.block_n} and block_k={blocks.block_k}")
+    return None
+
+
+def choose_expert_rows_kernel(*, hidden: int, intermediate: int, dtype: jnp.dtype,
+                              platform: str | None = None) -> ExpertRowsKernel:
+    """The decode-sized expert path for this platform (default: JAX's default backend): the
+    Pallas kernel on a GPU; off elsewhere and on a GPU for a shape the kernel cannot take (the
+    reason logged), since the reference copies each pair's weights and sums in another order
+    than the sorted path (the CPU keeps that path's numerics; tests choose the reference or
+    the interpreted kernel explicitly)."""
+    if not on_gpu(platform):
+        return NO_EXPERT_ROWS
+    problem = expert_rows_problem(hidden=hidden, intermediate=intermediate, dtype=dtype)
+    if problem is not None:
+        _log_off_once(problem)
+        return NO_EXPERT_ROWS
+    return ExpertRowsKernel(PALLAS)
+
+
+@functools.cache
+def _log_off_once(reason: str) -> None:
+    logger.warning("routed experts take the sorted grouped matmuls at every batch: the "
+                   "expert-rows kernel cannot run here: %s", reason)
+
+
+def split_count(programs: int, steps: int, fill_programs: int) -> int:
+    """Splits of a contraction of ``steps`` block steps over ``programs`` (pair, column block)
+    programs: the fewest that divide ``steps`` and give ``fill_programs`` programs in all, or one
+    per step when none does."""
+    return next((splits for splits in range(1, steps + 1)
+                 if steps % splits == 0 and programs * splits >= fill_programs), steps)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """silu(gate) * up of whole float32 projection sums, each rounded once to ``dtype`` and
+    combined in it (``moe.expert_mlp``'s arithmetic)."""
+    return jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)
+
+
+def _check_operands(x, token, expert, w1, w3, w2) -> None:
+    if x.ndim != 2 or w1.ndim != 3 or w1.shape[1] != x.shape[1]:
+        raise ValueError(f"x {x.shape} and w1 {w1.shape} must be [T, D] and [E, D, F]")
+    num_experts, hidden, intermediate = w1.shape
+    if w3.shape != w1.shape or w2.shape != (num_experts, intermediate, hidden):
+        raise ValueError(f"w3 {w3.shape} and w2 {w2.shape} must be {w1.shape} and "
+                         f"{(num_experts, intermediate, hidden)}")
+    if token.ndim != 1 or expert.shape != token.shape:
+        raise ValueError(f"token {token.shape} and expert {expert.shape} must be one [P] shape")
+    if not all(jnp.issubdtype(ids.dtype, jnp.integer) for ids in (token, expert)):
+        raise ValueError(f"token and expert ids must be integers, not {token.dtype} and "
+                         f"{expert.dtype}")
+    if len({array.dtype for array in (x, w1, w3, w2)}) != 1:
+        raise ValueError(f"x, w1, w3, w2 must share one dtype, not {x.dtype}, {w1.dtype}, "
+                         f"{w3.dtype}, {w2.dtype}")
+
+
+# ----------------------------------------------------------------------------- Pallas kernel
+
+
+def _row_products(lhs, weights, *, dot_rows: bool, precision: lax.Precision) -> jax.Array:
+    """One contraction step of a single row ``lhs [block_k]`` against ``weights
+    [block_k, block_n]``, float32, to be summed over axis 0 once the steps are done:
+    ``[block_k, block_n]`` products, or with ``dot_rows`` a ``[16, block_n]`` dot whose rows
+    but the first are zeros."""
+    if not dot_rows:
+        return lhs.astype(jnp.float32)[:, None] * weights.astype(jnp.float32)
+    rows = (MIN_DOT_DIM, lhs.shape[0])
+    padded = jnp.where(lax.broadcasted_iota(jnp.int32, rows, 0) == 0,
+                       jnp.broadcast_to(lhs[None, :], rows), jnp.zeros(rows, lhs.dtype))
+    return dot(padded, weights, precision)
+
+
+def _expert_rows_kernel(
+    rows_ref,  # i32[P]: the lhs row of each pair
+    experts_ref,  # i32[P]: each pair's expert; outside [0, E) gives zeros
+    lhs_ref,  # [M, K]
+    *refs,  # the weights [E, K, N] (one or two), then a float32 [S, P, N] result for each
+    block_k: int,
+    block_n: int,
+    steps: int,  # block_k steps per split
+    dot_rows: bool,
+    precision: lax.Precision,
+):
+    weight_refs, sum_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+    pair, column, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, expert = rows_ref[pair], experts_ref[pair]
+    cols = pl.ds(column * block_n, block_n)
+
+    def k_step(index, accs):
+        depth = pl.ds((split * steps + index) * block_k, block_k)
+        lhs = lhs_ref[row, depth]
+        return tuple(acc + _row_products(lhs, weight_ref[expert, depth, cols],
+                                         dot_rows=dot_rows, precision=precision)
+                     for acc, weight_ref in zip(accs, weight_refs))
+
+    local = (expert >= 0) & (expert < weight_refs[0].shape[0])
+    # int32 bounds: Triton's loop needs one type for all three
+    count = jnp.where(local, jnp.int32(steps), jnp.int32(0))
+    zeros = jnp.zeros((MIN_DOT_DIM if dot_rows else block_k, block_n), jnp.float32)
+    accs = lax.fori_loop(0, count, k_step, (zeros,) * len(weight_refs))
+    for sum_ref, acc in zip(sum_refs, accs):
+        sum_ref[split, pair, cols] = jnp.sum(acc, axis=0)
+
+
+def _project(lhs: jax.Array, rows: jax.Array, expert: jax.Array, weights: tuple[jax.Array, ...],
+             *, blocks: ExpertRowsBlocks, interpret: bool, name: str) -> list[jax.Array]:
+    """float32 ``lhs[rows[p]] @ w[expert[p]]`` [P, N] for each ``w`` of ``weights``: one
+    Pallas call, its splits' partial sums added."""
+    num_pairs = rows.shape[0]
+    _, depth, width = weights[0].shape
+    steps = depth // blocks.block_k
+    columns = width // blocks.block_n
+    splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
+    kernel = functools.partial(_expert_rows_kernel, block_k=blocks.block_k,
+                               block_n=blocks.block_n, steps=steps // splits,
+                               dot_rows=blocks.dot_rows, precision=dot_precision(lhs.dtype))
+    whole = pl.BlockSpec()
+    partial_sums = pl.pallas_call(
+        kernel,
+        grid=(num_pairs, columns, splits),
+        in_specs=[whole] * (3 + len(weights)),
+        out_specs=[whole] * len(weights),
+        out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * len(weights),
+        compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
+                                                       num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=name,
+    )(rows, expert, lhs, *weights)
+    return [sums.sum(axis=0) for sums in partial_sums]
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def expert_rows_mlp(
+    x: jax.Array,  # [T, D]
+    token: jax.Array,  # i32[P]
+    expert: jax.Array,  # i32[P]
+    w1: jax.Array,  # [E, D, F]
+    w3: jax.Array,  # [E, D, F]
+    w2: jax.Array,  # [E, F, D]
+    *,
+    blocks: ExpertRowsBlocks = ExpertRowsBlocks(),
+    interpret: bool | None = None,
+) -> jax.Array:  # [P, D], x's dtype
+    """Each pair's expert MLP through the Pallas kernel (module docstring)."""
+    interpret = pallas_backend.resolve_interpret(interpret)
+    _check_operands(x, token, expert, w1, w3, w2)
+    problem = expert_rows_problem(hidden=x.shape[1], intermediate=w1.shape[2], dtype=x.dtype,
+                                  blocks=blocks)
+    if problem is not None:
+        raise ValueError(problem)
+    if token.shape[0] == 0:
+        raise ValueError("the kernel needs at least one pair")
+    expert = expert.astype(jnp.int32)
+    run = functools.partial(_project, expert=expert, blocks=blocks, interpret=interpret)
+    gate, up = run(x, token.astype(jnp.int32), weights=(w1, w3), name="expert_rows_gate_up")
+    hidden = swiglu(gate, up, x.dtype)
+    pairs = jnp.arange(token.shape[0], dtype=jnp.int32)
+    (out,) = run(hidden, pairs, weights=(w2,), name="expert_rows_down")
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def expert_rows_mlp_reference(x: jax.Array, token: jax.Array, expert: jax.Array, w1: jax.Array,
+                              w3: jax.Array, w2: jax.Array) -> jax.Array:
+    """The same function: each pair's row and expert weights gathered, then einsums."""
+    _check_operands(x, token, expert, w1, w3, w2)
+    local = (expert >= 0) & (expert < w1.shape[0])
+    ids = jnp.where(local, expert, 0)
+
+    def project(lhs: jax.Array, weight: jax.Array) -> jax.Array:
+        return jnp.einsum("PK,PKN->PN", lhs, jnp.take(weight, ids, axis=0),
+                          precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+
+    rows = jnp.take(x, token, axis=0)
+    out = project(swiglu(project(rows, w1), project(rows, w3), x.dtype), w2)
+    return jnp.where(local[:, None], out, 0.0).astype(x.dtype)
+
+
+def apply_expert_rows(x: jax.Array, token: jax.Array, expert: jax.Array, w1: jax.Array,
+                      w3: jax.Array, w2: jax.Array, *, kernel: ExpertRowsKernel) -> jax.Array:
+    """Each pair's expert MLP through ``kernel``'s backend."""
+    if kernel.backend == PALLAS:
+        return expert_rows_mlp(x, token, expert, w1, w3, w2, blocks=kernel.blocks,
+                               interpret=kernel.interpret)
+    return expert_rows_mlp_reference(x, token, expert, w1, w3, w2)
