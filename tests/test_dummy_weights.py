@@ -60,7 +60,8 @@ def leaves(model) -> list[tuple[str, np.ndarray]]:
 
 def _sharded_worker() -> dict:
     """The tiny Kimi-Linear model's random weights made over 2 devices against those made on one:
-    equal values, and each weight on the sharding its family gives it."""
+    the largest difference (the same random bits; one jitted program's rounding against op by
+    op), and the weights not on the sharding their family gives them."""
     import jax
     from flax import nnx
 
@@ -74,8 +75,8 @@ def _sharded_worker() -> dict:
     placed = jax.tree_util.tree_leaves_with_path(nnx.state(sharded.model))
     misplaced = [jax.tree_util.keystr(path) for path, leaf in placed
                  if leaf.sharding != sharded.family.param_sharding(path, sharded.config, mesh)]
-    return {"equal": all(np.array_equal(a, b) for (_, a), (_, b)
-                         in zip(leaves(sharded.model), leaves(single), strict=True)),
+    return {"max_diff": max(float(np.abs(a - b).max()) for (_, a), (_, b)
+                            in zip(leaves(sharded.model), leaves(single), strict=True)),
             "misplaced": misplaced,
             "split": sum(not leaf.sharding.is_fully_replicated for _, leaf in placed)}
 
@@ -184,11 +185,11 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, word_tokeni
         load_model(model_dir, load_format="dummy")
 
 
-def test_random_weights_over_two_devices_equal_one_devices_on_their_shardings():
+def test_random_weights_over_two_devices_are_one_devices_on_their_shardings():
     from parallel_checks import run_on_cpu_devices
 
     result = run_on_cpu_devices(__file__, "sharded", timeout=600)
-    assert result["equal"] and result["misplaced"] == []
+    assert result["max_diff"] < 1e-7 and result["misplaced"] == []  # weights of about 0.02
     assert result["split"] > 10  # the projections and experts are split, not all replicated
 
 

@@ -25,10 +25,14 @@ Invariants (``random_model``, the ``"dummy"`` load format):
 * No weight file is read or needed: the config comes from config.json (a directory holding
   nothing else will do) or a GGUF file's metadata.
 * The weights are those the model's own constructor draws (``layers.normal_param``'s
-  N(0, 0.02^2), norm weights ones, biases zeros), made by one jitted program whose outputs lie on
-  the family's shardings over the mesh (the default device without one): nothing is made on the
-  host, and no device first holds a whole weight it needs a shard of. The same config, dtype and
-  seed give the same weights, whatever the mesh.
+  N(0, 0.02^2), norm weights ones, biases zeros), made on the device, never on the host. Without
+  a mesh the constructor runs op by op on the default device (one small program per weight
+  shape); with one, as one jitted program whose outputs lie on the family's shardings, so no
+  device holds a whole weight it needs a shard of (that program compiles for minutes at a full
+  model's layer count, where the op-by-op draws take seconds). The same config, dtype and seed
+  give the same weights: the same random bits whatever the mesh (partitionable threefry), the
+  values equal to the last bit on one device and to within a bit of rounding across meshes
+  (the jitted program fuses the scaling the op-by-op draws round apart).
 * The tree, shapes and dtypes are those of the checkpoint-loaded model of the same config, and
   the weights are in place (ready) on return, as a checkpoint's are, before start-up sizes the
   KV cache from the memory left.
@@ -221,7 +225,6 @@ def random_model(
     if mesh is not None:
         family.check_split(config, mesh.size)
     graphdef, abstract = nnx.split(family.abstract_model(config, dtype))
-    shardings = None if mesh is None else family.state_shardings(abstract, config, mesh)
     silent_ids = text_vocab_size is not None and text_vocab_size < config.vocab_size
 
     def draw(key: jax.Array) -> Any:
@@ -230,8 +233,12 @@ def random_model(
             model.zero_head_from(text_vocab_size)
         return nnx.state(model)
 
-    # the key is an argument, not a constant, so XLA never folds the weights into the program
-    state = jax.jit(draw, out_shardings=shardings)(jax.random.key(seed))
+    if mesh is None:
+        state = draw(jax.random.key(seed))
+    else:
+        # the key is an argument, not a constant, so XLA never folds the weights into the program
+        shardings = family.state_shardings(abstract, config, mesh)
+        state = jax.jit(draw, out_shardings=shardings)(jax.random.key(seed))
     logger.info("random weights (seed %d): %.2f GB of %s for a %s model; its outputs mean "
                 "nothing", seed, weight_bytes(abstract) / 1e9, jnp.dtype(dtype).name,
                 family.name)
