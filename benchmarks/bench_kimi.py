@@ -10,7 +10,8 @@ average under uniform routing, the embedding rows, each request's latent rows an
 over ``--bandwidth``. Before timing, the smallest decode batch's tokens on the decode executable
 are checked against the eager ordinary route on the same pools.
 
-Shapes (random bf16 weights made on the device, ``--layers`` layers):
+Shapes (random bf16 weights made on the device by ``loader.random_model``, ``--layers``
+layers):
 
 * ``kimi-linear``: hidden 2304, 32 KDA heads of 128, MLA with kv_lora_rank 512, 256 experts of
   1024 (8 per token, 1 shared), in its 3 KDA : 1 MLA pattern; 27 layers is the whole model
@@ -39,8 +40,9 @@ from flax import nnx
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepRequest
 from tokenspeed_jax.engine.runner import ModelRunner
-from tokenspeed_jax.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from tokenspeed_jax.models.kimi_linear import KDA, MLA, KimiLinearConfig, KimiLinearForCausalLM
+from tokenspeed_jax.models.deepseek_v3 import DeepseekV3Config
+from tokenspeed_jax.models.kimi_linear import KDA, MLA, KimiLinearConfig
+from tokenspeed_jax.models.loader import random_model
 from tokenspeed_jax.parallel import param_name
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -49,7 +51,7 @@ ROUTED_EXPERTS = ("w1", "w2", "w3")  # the routed experts' stacked weights (``mo
 EMBEDDING = "embed_tokens"
 
 
-def kimi_linear(layers: int) -> tuple[KimiLinearConfig, type]:
+def kimi_linear(layers: int) -> KimiLinearConfig:
     types = tuple(MLA if (i + 1) % 4 == 0 or i == layers - 1 else KDA for i in range(layers))
     return KimiLinearConfig(
         vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
@@ -57,17 +59,17 @@ def kimi_linear(layers: int) -> tuple[KimiLinearConfig, type]:
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, layer_types=types,
         linear_num_heads=32, linear_head_dim=128, conv_kernel_size=4, first_k_dense_replace=1,
         num_experts=256, num_experts_per_token=8, num_shared_experts=1, num_expert_group=1,
-        topk_group=1, routed_scaling_factor=2.446), KimiLinearForCausalLM
+        topk_group=1, routed_scaling_factor=2.446)
 
 
-def deepseek_v3(layers: int) -> tuple[DeepseekV3Config, type]:
+def deepseek_v3(layers: int) -> DeepseekV3Config:
     return DeepseekV3Config(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=layers, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
         num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
         routed_scaling_factor=2.5, first_k_dense_replace=min(1, layers),
-        max_position_embeddings=163840), DeepseekV3ForCausalLM
+        max_position_embeddings=163840)
 
 
 SHAPES = {"kimi-linear": kimi_linear, "deepseek-v3": deepseek_v3}
@@ -161,9 +163,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the rows as JSON to this file")
     args = parser.parse_args()
 
-    config, model_class = SHAPES[args.shape](args.layers)
+    config = SHAPES[args.shape](args.layers)
     t0 = time.perf_counter()
-    model = model_class(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    model = random_model(config, dtype=jnp.bfloat16, seed=0)
     jax.block_until_ready(nnx.state(model))
     init_s = time.perf_counter() - t0
     weights = weight_bytes(model)

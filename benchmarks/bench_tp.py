@@ -17,7 +17,7 @@ with --out writes everything as JSON after every tp (a run cut short keeps what 
   compile seconds.
 
 Shapes: ``llama8b-shape`` (``bench_graph.SHAPES``, --llama-layers layers) on a ``ModelRunner``,
-and a Kimi-Linear-48B-A3B shape (``bench_kimi.model_config``, --kimi-layers layers) on a
+and a Kimi-Linear-48B-A3B shape (``bench_kimi.kimi_linear``, --kimi-layers layers) on a
 ``ModelRunner``. Each (shape, tp) builds two runners over its model, each compiling only its
 explicit buckets: a prefill runner (the --prefill-tokens buckets, one request per step, one
 decode bucket for the check) and a decode runner whose page tables span --decode-context
@@ -97,7 +97,7 @@ def llama_family(tiny: bool, layers: int | None, dtype: str) -> Family:
 
 
 def kimi_family(tiny: bool, layers: int, dtype: str) -> Family:
-    shape = bench_kimi.model_config(layers)
+    shape = bench_kimi.kimi_linear(layers)
     if tiny:
         shape = dataclasses.replace(
             shape, vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

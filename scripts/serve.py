@@ -2,6 +2,7 @@
 
     python scripts/serve.py                       # embedded SmolLM2-135M-Instruct on :8000
     python scripts/serve.py --model path/to/hf_dir_or.gguf --max-num-seqs 32 --port 9000
+    python scripts/serve.py --model dir/with/config.json --load-format dummy --tokenizer tok/dir
 
 Every EngineConfig field is a flag (``--max-num-seqs`` for ``max_num_seqs``); ``--help`` lists
 them in sections (model and server first) and explains each with the comment that documents the
@@ -24,6 +25,7 @@ import typing
 
 from tokenspeed_jax.config import (
     KDA_STATE_DTYPES,
+    LOAD_FORMATS,
     OVERLAP_SCHEDULES,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -36,7 +38,8 @@ FLAG_ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 # The --help sections in the order a new user reads them; every EngineConfig field is in one.
 FLAG_GROUPS = {
-    "model": ("model", "dtype", "served_model_name", "max_model_len"),
+    "model": ("model", "dtype", "load_format", "tokenizer", "served_model_name",
+              "max_model_len"),
     "server": ("host", "port", "api_key", "max_request_bytes", "max_stop_strings",
                "enable_docs", "allow_special_tokens_in_content", "tool_call_parser",
                "shutdown_timeout"),
@@ -56,10 +59,11 @@ FLAG_GROUPS = {
 }
 
 # Placeholders that say what a value is, where its type alone would not.
-METAVARS = {"model": "PATH", "compile_cache_dir": "DIR", "compile_cache_key_file": "FILE",
-            "host": "ADDRESS", "served_model_name": "NAME", "api_key": "KEY",
+METAVARS = {"model": "PATH", "tokenizer": "PATH", "compile_cache_dir": "DIR",
+            "compile_cache_key_file": "FILE", "host": "ADDRESS", "served_model_name": "NAME", "api_key": "KEY",
             "xla_compiler_options": "'NAME=VALUE ...'"}
-CHOICES = {"dtype": ("auto", *DTYPES), "overlap_schedule": OVERLAP_SCHEDULES,
+CHOICES = {"dtype": ("auto", *DTYPES), "load_format": LOAD_FORMATS,
+           "overlap_schedule": OVERLAP_SCHEDULES,
            "kda_state_dtype": KDA_STATE_DTYPES, "tool_call_parser": TOOL_CALL_PARSERS}
 
 

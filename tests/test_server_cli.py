@@ -80,8 +80,8 @@ SERVE_TINY = ["--model", MODEL_DIR, "--served-model-name", "tiny", "--max-model-
 @contextlib.contextmanager
 def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
     """scripts/serve.py on the tiny model in a process of its own, once it printed ``ready:``;
-    yields the process, its base URL and the ready line, and kills it if the test left it
-    running."""
+    yields the process, its base URL and its output up to the ready line (the last line), and
+    kills it if the test left it running."""
     port = free_port()
     process = subprocess.Popen(
         [*SERVE, *SERVE_TINY, "--port", str(port), *flags],
@@ -95,9 +95,8 @@ def serving(*flags: str) -> Iterator[tuple[subprocess.Popen, str, str]]:
             assert process.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "".join(lines)
             lines.append(process.stdout.readline())
-        ready = next(line for line in lines if line.startswith("ready:"))
-        assert "executables in" in ready
-        yield process, f"http://127.0.0.1:{port}", ready
+        assert "executables in" in lines[-1]
+        yield process, f"http://127.0.0.1:{port}", "".join(lines)
     finally:
         if process.poll() is None:
             process.kill()

@@ -15,6 +15,7 @@ DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 8192  # "auto" when chunked prefill is off
 OVERLAP_SCHEDULES = ("auto", "on", "off")
 KDA_STATE_DTYPES = ("float32", "bfloat16")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +128,13 @@ class EngineConfig:
     # Weight and compute dtype: "float32", "bfloat16", or "auto" = float32 on the CPU and
     # bfloat16 on an accelerator (the checkpoint's weights are cast to it on load).
     dtype: str = "auto"
+    # Where the weights come from: "auto" = the model's checkpoint; "dummy" = random weights made
+    # on the device from the model's config alone (a directory holding only config.json will
+    # do), to serve or benchmark a shape whose checkpoint is not at hand; its outputs mean nothing.
+    load_format: str = "auto"
+    # The tokenizer, when not the model's own: an HF directory (tokenizer.json) or a GGUF file.
+    # Its vocabulary may be smaller than the model's vocab_size, never larger.
+    tokenizer: str | None = None
     # Most requests running (holding KV pages) at once; more wait in the queue.
     max_num_seqs: int = 64
     # Tokens per KV page.
@@ -204,6 +212,8 @@ class EngineConfig:
              f"max_stop_strings must be >= 0, got {self.max_stop_strings}"),
             (self.shutdown_timeout >= 0,
              f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}"),
+            (self.load_format in LOAD_FORMATS,
+             f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"),
             (self.tool_call_parser in TOOL_CALL_PARSERS,
              f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),

@@ -173,7 +173,8 @@ def build_engine(config: EngineConfig, loaded: Any = None) -> EngineBundle:
     )
     mesh = parallel.make_mesh(config.tensor_parallel_size)
     if loaded is None:
-        loaded = load_model(config.model, dtype=config.dtype, mesh=mesh)
+        loaded = load_model(config.model, dtype=config.dtype, mesh=mesh,
+                            load_format=config.load_format, tokenizer=config.tokenizer)
     family = loaded.family
     dtype = getattr(loaded.model, "dtype", "float32")
     devices = parallel.mesh_size(mesh)

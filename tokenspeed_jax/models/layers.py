@@ -78,6 +78,14 @@ class CausalLMBase(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = normal_param(rngs, (config.hidden_size, config.vocab_size), param_dtype)
 
+    def zero_head_from(self, first_id: int) -> None:
+        """Zero the head's weights of the ids from ``first_id`` on (``lm_head`` columns, or the
+        embedding rows when tied), so their logits are exactly 0."""
+        if self.config.tie_word_embeddings:
+            self.embed_tokens[...] = self.embed_tokens[...].at[first_id:].set(0)
+        else:
+            self.lm_head[...] = self.lm_head[...].at[:, first_id:].set(0)
+
     def embed(self, token_ids: jax.Array) -> jax.Array:
         """int32 [..., T] -> [..., T, D]."""
         return jnp.take(self.embed_tokens[...], token_ids, axis=0).astype(self.dtype)
