@@ -59,13 +59,13 @@ ROW_VARIANTS = (  # the default first, then one or two knobs moved at a time
     ExpertRowsBlocks(),
     ExpertRowsBlocks(fill_programs=1),  # never split the contraction
     ExpertRowsBlocks(fill_programs=528),  # about 4 programs per SM
-    ExpertRowsBlocks(dot_rows=True),
+    ExpertRowsBlocks(dot_rows=False),  # a multiply-and-sum per row
+    ExpertRowsBlocks(dot_rows=False, fill_programs=528),
     ExpertRowsBlocks(block_k=32),
-    ExpertRowsBlocks(block_n=256, block_k=32),
     ExpertRowsBlocks(block_n=64, block_k=128),
     ExpertRowsBlocks(num_warps=8),
 )
-TINY_ROW_VARIANTS = (ExpertRowsBlocks(16, 16), ExpertRowsBlocks(16, 16, dot_rows=True))
+TINY_ROW_VARIANTS = (ExpertRowsBlocks(16, 16), ExpertRowsBlocks(16, 16, dot_rows=False))
 TINY_TOKENS = (1, 4)
 
 

@@ -34,9 +34,9 @@ from tokenspeed_jax.models.moe import KimiMoE
 T, D, F, E = 16, 32, 64, 6
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 BLOCKS = {  # with 16-wide blocks the up projection has 2 steps of K, the down projection 4
-    "unsplit": ExpertRowsBlocks(16, 16, fill_programs=1),
-    "split": ExpertRowsBlocks(16, 16, fill_programs=10**6),  # a split per step
-    "dot_rows": ExpertRowsBlocks(16, 16, dot_rows=True, fill_programs=10**6),
+    "unsplit": ExpertRowsBlocks(16, 16, dot_rows=False, fill_programs=1),
+    "split": ExpertRowsBlocks(16, 16, dot_rows=False, fill_programs=10**6),  # a split per step
+    "dot_rows": ExpertRowsBlocks(16, 16, fill_programs=10**6),
 }
 DTYPES = [jnp.float32, jnp.bfloat16]
 

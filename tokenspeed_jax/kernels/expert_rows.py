@@ -75,7 +75,9 @@ class ExpertRowsBlocks:
 
     block_n: int = 128  # output columns per program; must divide D and F
     block_k: int = 64  # contraction step; must divide D and F
-    dot_rows: bool = False  # a pair's row as a dot of 16 rows, not a multiply-and-sum
+    # a pair's row as a dot of 16 rows (zero-padded), not a multiply-and-sum: faster at every
+    # decode size measured on an H200 (benchmarks/bench_expert_rows.py)
+    dot_rows: bool = True
     fill_programs: int = FILL_PROGRAMS  # split the contraction until this many programs
     num_warps: int = 4
     num_stages: int = 3
