@@ -348,7 +348,27 @@ def test_routes_and_fallbacks(runner):
     mixed = [request("a", long[:1], 70, 0, slot=1), request("b", short, 0, 8, slot=3)]
     assert runner.route(mixed) == "ordinary"
     three = prefill + [request("c", short[:5], 0, 16, slot=5)]
-    assert runner.route(three) == "eager"
+    assert runner.route(three) == "inline"  # in groups of whole requests
+    too_long = [request("d", np.concatenate([long, long]), 0, 0, slot=1)]
+    assert runner.route(too_long) == "eager"  # 140 tokens: no 128-token bucket holds it whole
+
+
+def test_a_step_of_more_requests_than_the_largest_bucket_runs_in_groups_of_whole_requests(
+        runner):
+    """Three prompts with a largest request bucket of 2 run as two compiled prefill groups (one
+    request split counted), no request cut and nothing eager, with the tokens and the whole pool
+    of the eager reference step of all three."""
+    long, short = prompts(9)
+    three = [request("a", long, 0, 0, slot=1), request("b", short, 0, 8, slot=3),
+             request("c", short[:30], 0, 16, slot=5)]
+    pools = noisy_pools(runner, 13)
+    before = dict(runner.stats())
+    stepped = run(runner, pools, "step", three)
+    runs = {key: runner.stats()[key] - before[key]
+            for key in ("prefill_runs", "request_splits", "chunked_prefill_splits", "eager_runs")}
+    assert runs == {"prefill_runs": 2, "request_splits": 1, "chunked_prefill_splits": 0,
+                    "eager_runs": 0}
+    assert_same(stepped, run(runner, pools, "eager", three))
 
 
 def test_a_decode_step_past_the_largest_bucket_runs_in_bucket_groups(runner):

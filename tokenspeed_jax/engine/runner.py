@@ -29,8 +29,9 @@ Routes, chosen per step from static configuration and the step's sizes (``route`
   gathered rows: shapes do not depend on how much context is cached) or, for a family whose
   pieces read per-request metadata (``plans_per_request_bucket``), per (token bucket, request
   bucket). On a GPU they compile without XLA's autotuning (``engine/ladders.py``). A step with
-  more tokens or requests than the largest buckets is cut into bucket-sized groups (chunked
-  prefill; ``splits_prefill``) or runs eagerly.
+  more tokens or requests than the largest buckets runs in groups that fit them: cut at the
+  token boundary (chunked prefill) or, for a family whose requests must stay whole in a step
+  (``splits_prefill`` off), of whole requests; a request that cannot fit runs eagerly.
 * **Mixed steps** (some requests decode, others prefill) run as two: the decode rows on the
   decode route and the rest on theirs, joined back in batch order (``mixed_splits``).
 * **Sampling in two tiers** (``sampling_plans``): heads and decode steps end with the in-step
@@ -162,6 +163,25 @@ def split_requests(
             ))
             tokens += take
             offset += take
+    if current:
+        groups.append(current)
+    return groups
+
+
+def group_whole_requests(requests: Sequence[StepRequest], max_tokens: int, max_requests: int
+                         ) -> list[list[StepRequest]]:
+    """``requests`` in order in groups of <= max_tokens tokens and <= max_requests requests,
+    none cut (each request holds at most ``max_tokens`` tokens)."""
+    groups: list[list[StepRequest]] = []
+    current: list[StepRequest] = []
+    tokens = 0
+    for request in requests:
+        if current and (len(current) == max_requests
+                        or tokens + request.num_tokens > max_tokens):
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(request)
+        tokens += request.num_tokens
     if current:
         groups.append(current)
     return groups
@@ -563,16 +583,16 @@ class ModelRunner:
             return "decode"
         if not self.buckets.tokens:
             return "eager"
-        total = sum(r.num_tokens for r in requests)
-        too_many_tokens = total > self.buckets.tokens[-1]
+        max_tokens = self.buckets.tokens[-1]
         if self.forward.splits_prefill:
-            eager = too_many_tokens and not self.config.chunked_prefill_size
+            eager = (sum(r.num_tokens for r in requests) > max_tokens
+                     and not self.config.chunked_prefill_size)
         else:
-            eager = too_many_tokens or len(requests) > self.buckets.prefill_requests[-1]
+            eager = any(r.num_tokens > max_tokens for r in requests)
         if eager:
-            logger.info("%d tokens of %d requests exceed the largest prefill buckets (%d tokens, "
-                        "%d requests): running eagerly", total, len(requests),
-                        self.buckets.tokens[-1], self.buckets.prefill_requests[-1])
+            logger.info("a step of %d requests, %d tokens, does not fit the largest prefill "
+                        "bucket of %d tokens in pieces: running eagerly", len(requests),
+                        sum(r.num_tokens for r in requests), max_tokens)
             return "eager"
         return self.forward.prefill_route(requests)
 
@@ -587,7 +607,10 @@ class ModelRunner:
         max_requests = self.buckets.prefill_requests[-1]
         total = sum(r.num_tokens for r in requests)
         by_requests = split_requests(requests, total, max_requests)
-        groups = split_requests(requests, max_tokens, max_requests)
+        if self.forward.splits_prefill:
+            groups = split_requests(requests, max_tokens, max_requests)
+        else:
+            by_requests = groups = group_whole_requests(requests, max_tokens, max_requests)
         self.counters["request_splits"] += len(by_requests) - 1
         self.counters["chunked_prefill_splits"] += len(groups) - len(by_requests)
         return [self._run_prefill(self.forward.prefill_route(group), group) for group in groups]

@@ -65,8 +65,9 @@ class Forward(abc.ABC):
     # Prefill plans per (token bucket, request bucket) when the pieces' inputs are sized by the
     # request count; otherwise per token bucket, with ``table_rows`` rows of requests.
     plans_per_request_bucket = False
-    # Whether a step larger than the largest buckets is cut into bucket-sized groups; otherwise
-    # it runs ``eager_route`` at its exact size.
+    # Whether a step larger than the largest buckets may cut a request at a token boundary
+    # (chunked prefill); otherwise its groups hold whole requests, and a request larger than the
+    # largest token bucket runs ``eager_route`` at its exact size.
     splits_prefill = True
     supports_prefill_graph = True
     supports_decode_graph = True

@@ -12,7 +12,7 @@ segments with the same pieces and wiring are one executable. Prefill routes:
   plain-JAX reference elsewhere; ``choose_mla_kernel`` decides once).
 * ``"ordinary"``: the same, with each KDA layer's core (the kernel) at a break. Taken by steps
   with a one-token continuation chunk and when ``disable_kda_prefill_graph`` is set; it is also
-  the route a step too large for the buckets runs eagerly at its exact size.
+  the route a request too large for the buckets runs eagerly at its exact size.
 * ``"reference"`` (eager only): the ordinary route with the pure-JAX KDA reference.
 
 Decode runs every layer inside one step: the recurrent KDA kernel, and MLA attention with
