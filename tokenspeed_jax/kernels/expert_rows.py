@@ -33,8 +33,9 @@ Two implementations of one function, chosen statically by an ``ExpertRowsKernel`
 
 ``ExpertRowsKernel.max_pairs`` is where the MoE switches to this path (``takes``); above it, the
 sorted grouped matmuls read each touched expert once however many pairs share it.
-``choose_expert_rows_kernel`` picks the Pallas kernel on GPUs and the reference elsewhere; a
-shape the kernel cannot take on a GPU turns the path off (``max_pairs=0``), the reason logged. The
+``choose_expert_rows_kernel`` picks the Pallas kernel on GPUs and turns the path off
+(``max_pairs=0``) elsewhere, and on a GPU for a shape the kernel cannot take (the reason logged);
+the reference runs where a caller names it (tests, benchmarks). The
 kernel raises on what it cannot run; nothing falls back at run time.
 """
 

@@ -24,15 +24,17 @@ static. Shared experts run on every token and add. ``grouped_kernel`` picks the 
 by default ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel (tokens x top-k of
 work) on GPUs, ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it densely, tokens x experts
 of work). ``expert_rows_kernel`` picks the other path's implementation and its threshold; by
-default ``expert_rows.choose_expert_rows_kernel`` does (Pallas on GPUs, the reference elsewhere).
+default ``expert_rows.choose_expert_rows_kernel`` does (the Pallas kernel on GPUs; off
+elsewhere, so the CPU runs the sorted path).
 
 Expert parallelism (``mesh`` given, ``parallel`` splits ``w1``/``w3``/``w2`` over the experts):
 the router runs replicated, so every device picks the same experts; under ``jax.shard_map`` each
 device runs only the pairs routed to its own contiguous range of experts (on the sorted path the
 others sort last and are masked out; on the rows path their expert ids fall outside the local
 range and give zeros without a weight read) and one ``psum`` adds the devices' partial sums.
-Without a mesh the same code runs with all experts local. Weight layouts: ``gate [D, E]`` (float32), ``w1, w3 [E, D, F]``,
-``w2 [E, F, D]``, MLP ``gate_proj, up_proj [D, F]``, ``down_proj [F, D]``.
+Without a mesh the same code runs with all experts local. Weight layouts: ``gate [D, E]``
+(float32), ``w1, w3 [E, D, F]``, ``w2 [E, F, D]``, MLP ``gate_proj, up_proj [D, F]``,
+``down_proj [F, D]``.
 """
 
 from __future__ import annotations
