@@ -104,9 +104,6 @@ class Forward(abc.ABC):
         del requests
         return self.prefill_routes[0]
 
-    def check_request(self, request: Any) -> None:
-        """Raise ValueError for a request the family's pieces cannot run (nothing by default)."""
-
     @abc.abstractmethod
     def prefill_plan(self, route: str, pools: Sequence[str]) -> Plan:
         """The prefill plan of ``route`` over the pools named ``pools`` (module docstring)."""

@@ -97,7 +97,7 @@ class LatentForward(Forward):
     eager_route = "ordinary"
 
     def __init__(self, model: Any, config: EngineConfig, *, page_size: int, mesh: Any,
-                 settings: MLAKernel | None = None, **_: Any) -> None:
+                 settings: MLAKernel | None = None) -> None:
         """``settings``: how MLA attention runs (the tests give the Pallas kernels,
         interpreted); None = ``choose_mla_kernel`` for JAX's default backend."""
         self._split(model, config, mesh)

@@ -145,7 +145,7 @@ class LlamaForward(Forward):
         return 0
 
     def __init__(self, model: Any, config: EngineConfig, *, page_size: int, mesh: Any,
-                 settings: RunnerSettings | None = None, **_: Any) -> None:
+                 settings: RunnerSettings | None = None) -> None:
         """``settings``: the resolved settings to run with (the tests give the GPU's); None =
         ``runner_settings`` on JAX's default backend."""
         self._split(model, config, mesh)
