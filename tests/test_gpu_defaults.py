@@ -88,7 +88,8 @@ def assert_every_fast_path(runner, dtype) -> None:
     assert settings.stack_decode_weights and runner.stacked_layers is not None
     assert settings.inline_prefill_attention and settings.alternate_decode_executables
     assert runner.pools["k_pages.0"].dtype == dtype
-    assert all(leaf.dtype == dtype for leaf in jax.tree_util.tree_leaves(runner.forward.layer_states))
+    layers = jax.tree_util.tree_leaves(runner.forward.layer_states)
+    assert all(leaf.dtype == dtype for leaf in layers)
 
 
 def test_llm_defaults_are_every_fast_path_in_bfloat16(smollm2):

@@ -907,8 +907,9 @@ def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
     config = dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path), quick_skeleton=True,
                                  stack_decode_weights=True)
     runner = ModelRunner(model, config, 64, PAGE)
-    per_layer = len(jax.tree_util.tree_leaves((runner.forward.outer_state, runner.forward.layer_states)))
-    stacked = len(jax.tree_util.tree_leaves((runner.forward.outer_state, runner.stacked_layers)))
+    outer = runner.forward.outer_state
+    per_layer = len(jax.tree_util.tree_leaves((outer, runner.forward.layer_states)))
+    stacked = len(jax.tree_util.tree_leaves((outer, runner.stacked_layers)))
     assert stacked < per_layer
     summary = runner.compile_all(start_background=False)
     try:
