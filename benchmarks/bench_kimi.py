@@ -40,9 +40,11 @@ from flax import nnx
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepRequest
 from tokenspeed_jax.engine.runner import ModelRunner
+from tokenspeed_jax.kernels.expert_rows import NO_EXPERT_ROWS
 from tokenspeed_jax.models.deepseek_v3 import DeepseekV3Config
 from tokenspeed_jax.models.kimi_linear import KDA, MLA, KimiLinearConfig
 from tokenspeed_jax.models.loader import random_model
+from tokenspeed_jax.models.moe import KimiMoE
 from tokenspeed_jax.parallel import param_name
 from tokenspeed_jax.sampling_params import SamplingParams
 
@@ -148,6 +150,13 @@ def record(results: list[dict], row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def turn_expert_rows_off(model) -> None:
+    """Every MoE layer of ``model`` on the sorted grouped path whatever its pair count."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, KimiMoE):
+            module.expert_rows_kernel = NO_EXPERT_ROWS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="kimi-linear")
@@ -160,12 +169,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--eager", action="store_true", help="also time eager prefill")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the floor")
+    parser.add_argument("--expert-rows", choices=("auto", "off"), default="auto",
+                        help="off: every MoE call on the sorted grouped matmuls, as the engine "
+                             "ran decode before the expert-rows path (a side-by-side baseline)")
     parser.add_argument("--out", type=Path, help="write the rows as JSON to this file")
     args = parser.parse_args()
 
     config = SHAPES[args.shape](args.layers)
     t0 = time.perf_counter()
     model = random_model(config, dtype=jnp.bfloat16, seed=0)
+    if args.expert_rows == "off":
+        turn_expert_rows_off(model)
     jax.block_until_ready(nnx.state(model))
     init_s = time.perf_counter() - t0
     weights = weight_bytes(model)
@@ -237,7 +251,8 @@ def main() -> None:
     print(f"runtime compiles: {runtime_compiles}")
     if args.out:
         args.out.write_text(json.dumps({
-            "shape": args.shape, "layers": args.layers, "device": jax.devices()[0].device_kind,
+            "shape": args.shape, "layers": args.layers, "expert_rows": args.expert_rows,
+            "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
             "init_s": init_s, "compile_s": compile_s, "weights": weights, "check": check,
             "runtime_compiles": runtime_compiles, "rows": results}, indent=1))
