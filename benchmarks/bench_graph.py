@@ -133,7 +133,8 @@ def bench_prefill(model, sizes: list[int], iters: int, eager_iters: int) -> tupl
             runner.pools = {name: out[name] for name in runner.pools}
             return jax.block_until_ready(out["rows_hidden"])
 
-        inline = functools.partial(segmented, inline_runner.compiled_plan(("prefill", tokens, None)), runner=inline_runner)
+        inline_plan = inline_runner.compiled_plan(("prefill", tokens, None))
+        inline = functools.partial(segmented, inline_plan, runner=inline_runner)
 
         def whole_jit(inputs=inputs, meta=meta):
             out = whole(whole_params, {**jax.device_put(inputs), **runner.pools},

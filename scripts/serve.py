@@ -60,8 +60,8 @@ FLAG_GROUPS = {
 
 # Placeholders that say what a value is, where its type alone would not.
 METAVARS = {"model": "PATH", "tokenizer": "PATH", "compile_cache_dir": "DIR",
-            "compile_cache_key_file": "FILE", "host": "ADDRESS", "served_model_name": "NAME", "api_key": "KEY",
-            "xla_compiler_options": "'NAME=VALUE ...'"}
+            "compile_cache_key_file": "FILE", "host": "ADDRESS", "served_model_name": "NAME",
+            "api_key": "KEY", "xla_compiler_options": "'NAME=VALUE ...'"}
 CHOICES = {"dtype": ("auto", *DTYPES), "load_format": LOAD_FORMATS,
            "overlap_schedule": OVERLAP_SCHEDULES,
            "kda_state_dtype": KDA_STATE_DTYPES, "tool_call_parser": TOOL_CALL_PARSERS}

@@ -584,15 +584,15 @@ class ModelRunner:
         if not self.buckets.tokens:
             return "eager"
         max_tokens = self.buckets.tokens[-1]
+        total = sum(r.num_tokens for r in requests)
         if self.forward.splits_prefill:
-            eager = (sum(r.num_tokens for r in requests) > max_tokens
-                     and not self.config.chunked_prefill_size)
+            eager = total > max_tokens and not self.config.chunked_prefill_size
         else:
             eager = any(r.num_tokens > max_tokens for r in requests)
         if eager:
             logger.info("a step of %d requests, %d tokens, does not fit the largest prefill "
-                        "bucket of %d tokens in pieces: running eagerly", len(requests),
-                        sum(r.num_tokens for r in requests), max_tokens)
+                        "bucket of %d tokens in pieces: running eagerly", len(requests), total,
+                        max_tokens)
             return "eager"
         return self.forward.prefill_route(requests)
 
@@ -605,9 +605,9 @@ class ModelRunner:
             return self._run_decode_groups(requests)
         max_tokens = self.buckets.tokens[-1]
         max_requests = self.buckets.prefill_requests[-1]
-        total = sum(r.num_tokens for r in requests)
-        by_requests = split_requests(requests, total, max_requests)
         if self.forward.splits_prefill:
+            total = sum(r.num_tokens for r in requests)
+            by_requests = split_requests(requests, total, max_requests)
             groups = split_requests(requests, max_tokens, max_requests)
         else:
             by_requests = groups = group_whole_requests(requests, max_tokens, max_requests)

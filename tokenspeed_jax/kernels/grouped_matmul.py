@@ -19,9 +19,8 @@ Two implementations of one function, chosen statically by a ``GroupedMatmulKerne
   schedule* (``tile_schedule``): each group's rows, and the rows past the last group, cut into
   tiles of at most ``block_m`` rows, ``i32[num_tiles, 3]`` = (group, first row, end row). At most
   ``cdiv(M, block_m) + min(G, M)`` tiles are needed (``num_tiles``); the unused ones are
-  (-1, 0, 0). One
-  program per (tile, block of N columns) loops over K in ``block_k`` steps, the dot of
-  ``block_m`` rows read at a dynamic offset kept inside ``[0, M)`` by its group's
+  (-1, 0, 0). One program per (tile, block of N columns) loops over K in ``block_k`` steps,
+  the dot of ``block_m`` rows read at a dynamic offset kept inside ``[0, M)`` by its group's
   ``[block_k, block_n]`` weight block, and stores only its own rows. A tile of group -1 (rows
   past the last group) runs no step and stores zeros; an unused tile stores nothing. Every row
   belongs to exactly one tile, so the output needs no initialisation.

@@ -14,7 +14,7 @@ Stage interface (what a segmented runner calls, per layer, tokens packed ``[T, .
 * ``layer.mla_outputs(hidden, attn [T, H, R]) -> hidden``: the segment after it (output
   projection, residual, feed-forward).
 
-The same layer also speaks the latent-attention runner's protocol (``models/kimi_linear/forward.py``):
+The same layer also speaks the latent forward's protocol (``models/kimi_linear/forward.py``):
 ``layer.kind == "mla"``, ``layer.mla_inputs(hidden, positions)`` (the tables computed from the
 positions inside the segment), ``layer.mla_outputs(hidden, attn, mesh=...)``, and
 ``model.attention_scale``.

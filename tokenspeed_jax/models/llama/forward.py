@@ -54,7 +54,12 @@ from tokenspeed_jax.kernels.paged_prefill_attention import (
     choose_prefill_kernel,
     paged_prefill_attention,
 )
-from tokenspeed_jax.models.forward import ROWS_PIECE, Forward, alternates_decode_executables
+from tokenspeed_jax.models.forward import (
+    ROWS_PIECE,
+    Forward,
+    alternates_decode_executables,
+    sampled_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +223,7 @@ class LlamaForward(Forward):
             return self._attention((), packed, q, k, v, positions, k_pages, v_pages)
 
         hidden, *caches = self._every_layer(params, token_ids, positions, caches, attend)
-        return (jnp.take(hidden, rows, axis=0), *caches)
+        return (*sampled_rows((), hidden, rows), *caches)
 
     def decode_layers(self, params: Any, meta: Mapping[str, jax.Array], token_ids: jax.Array,
                       pools: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
