@@ -58,9 +58,9 @@ PROBLEMS = {
 ROW_VARIANTS = (  # the default first, then one or two knobs moved at a time
     ExpertRowsBlocks(),
     ExpertRowsBlocks(fill_programs=1),  # never split the contraction
-    ExpertRowsBlocks(fill_programs=528),  # about 4 programs per SM
+    ExpertRowsBlocks(fill_programs=128),  # about one program per SM
+    ExpertRowsBlocks(fill_programs=1056),  # about 8 programs per SM
     ExpertRowsBlocks(dot_rows=False),  # a multiply-and-sum per row
-    ExpertRowsBlocks(dot_rows=False, fill_programs=528),
     ExpertRowsBlocks(block_k=32),
     ExpertRowsBlocks(block_n=64, block_k=128),
     ExpertRowsBlocks(num_warps=8),

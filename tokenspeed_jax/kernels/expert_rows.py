@@ -60,7 +60,6 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     check_pallas_or_reference,
     on_gpu,
 )
-from tokenspeed_jax.kernels.paged_decode import FILL_PROGRAMS
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,10 @@ class ExpertRowsBlocks:
     # a pair's row as a dot of 16 rows (zero-padded), not a multiply-and-sum: faster at every
     # decode size measured on an H200 (benchmarks/bench_expert_rows.py)
     dot_rows: bool = True
-    fill_programs: int = FILL_PROGRAMS  # split the contraction until this many programs
+    # split the contraction until this many programs: about 4 per SM of an H200 (132 SMs), the
+    # fastest of 128 / 264 / 528 / 1056 at 1 and 8 tokens for both MoE shapes in
+    # benchmarks/bench_expert_rows.py (one SM's worth: 20-25% slower at 1 token)
+    fill_programs: int = 528
     num_warps: int = 4
     num_stages: int = 3
 
@@ -198,19 +200,24 @@ def _row_products(lhs, weights, *, dot_rows: bool, precision: lax.Precision) -> 
 
 
 def _expert_rows_kernel(
-    rows_ref,  # i32[P]: the lhs row of each pair
-    experts_ref,  # i32[P]: each pair's expert; outside [0, E) gives zeros
-    lhs_ref,  # [M, K]
-    *refs,  # the weights [E, K, N] (one or two), then a float32 [S, P, N] result for each
+    *refs,  # [rows i32[P]: the lhs row of each pair, unless rows_are_pairs], experts i32[P]
+    # (each pair's expert; outside [0, E) gives zeros), lhs [M, K], the weights [E, K, N] (one
+    # or two), then a float32 [S, P, N] result for each weight
     block_k: int,
     block_n: int,
     steps: int,  # block_k steps per split
     dot_rows: bool,
+    rows_are_pairs: bool,  # pair p reads lhs row p (no rows operand)
     precision: lax.Precision,
 ):
-    weight_refs, sum_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
     pair, column, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row, expert = rows_ref[pair], experts_ref[pair]
+    if rows_are_pairs:
+        row, (experts_ref, lhs_ref, *refs) = pair, refs
+    else:
+        rows_ref, experts_ref, lhs_ref, *refs = refs
+        row = rows_ref[pair]
+    weight_refs, sum_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
+    expert = experts_ref[pair]
     cols = pl.ds(column * block_n, block_n)
 
     def k_step(index, accs):
@@ -229,30 +236,33 @@ def _expert_rows_kernel(
         sum_ref[split, pair, cols] = jnp.sum(acc, axis=0)
 
 
-def _project(lhs: jax.Array, rows: jax.Array, expert: jax.Array, weights: tuple[jax.Array, ...],
-             *, blocks: ExpertRowsBlocks, interpret: bool, name: str) -> list[jax.Array]:
-    """float32 ``lhs[rows[p]] @ w[expert[p]]`` [P, N] for each ``w`` of ``weights``: one
-    Pallas call, its splits' partial sums added."""
-    num_pairs = rows.shape[0]
+def _project(lhs: jax.Array, rows: jax.Array | None, expert: jax.Array,
+             weights: tuple[jax.Array, ...], *, blocks: ExpertRowsBlocks, interpret: bool,
+             name: str) -> list[jax.Array]:
+    """float32 ``lhs[rows[p]] @ w[expert[p]]`` [P, N] for each ``w`` of ``weights`` (``rows``
+    None: row p for pair p): one Pallas call, its splits' partial sums added."""
+    num_pairs = expert.shape[0]
+    row_operands = () if rows is None else (rows,)
     _, depth, width = weights[0].shape
     steps = depth // blocks.block_k
     columns = width // blocks.block_n
     splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
     kernel = functools.partial(_expert_rows_kernel, block_k=blocks.block_k,
                                block_n=blocks.block_n, steps=steps // splits,
-                               dot_rows=blocks.dot_rows, precision=dot_precision(lhs.dtype))
+                               dot_rows=blocks.dot_rows, rows_are_pairs=rows is None,
+                               precision=dot_precision(lhs.dtype))
     whole = pl.BlockSpec()
     partial_sums = pl.pallas_call(
         kernel,
         grid=(num_pairs, columns, splits),
-        in_specs=[whole] * (3 + len(weights)),
+        in_specs=[whole] * (len(row_operands) + 2 + len(weights)),
         out_specs=[whole] * len(weights),
         out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * len(weights),
         compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=blocks.num_stages),
         interpret=interpret,
         name=name,
-    )(rows, expert, lhs, *weights)
+    )(*row_operands, expert, lhs, *weights)
     return [sums.sum(axis=0) for sums in partial_sums]
 
 
@@ -281,8 +291,7 @@ def expert_rows_mlp(
     run = functools.partial(_project, expert=expert, blocks=blocks, interpret=interpret)
     gate, up = run(x, token.astype(jnp.int32), weights=(w1, w3), name="expert_rows_gate_up")
     hidden = swiglu(gate, up, x.dtype)
-    pairs = jnp.arange(token.shape[0], dtype=jnp.int32)
-    (out,) = run(hidden, pairs, weights=(w2,), name="expert_rows_down")
+    (out,) = run(hidden, None, weights=(w2,), name="expert_rows_down")
     return out.astype(x.dtype)
 
 

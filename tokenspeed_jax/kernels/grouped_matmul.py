@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.kernel_math import dot, dot_precision, is_power_of_2
+from tokenspeed_jax.kernels.kernel_math import count_at_most, dot, dot_precision, is_power_of_2
 from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
@@ -134,7 +134,7 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
     tiles_before_end = jnp.cumsum(run_tiles)
     tile = jnp.arange(num_tiles(num_rows, num_groups, block_m), dtype=jnp.int32)
     used = tile < tiles_before_end[-1]
-    run = jnp.minimum(jnp.searchsorted(tiles_before_end, tile, side="right"), num_groups)
+    run = jnp.minimum(count_at_most(tiles_before_end, tile), num_groups)
     first = run_start[run] + (tile - tiles_before_end[run] + run_tiles[run]) * block_m
     end = jnp.minimum(first + block_m, run_end[run])
     return jnp.stack([jnp.where(used, run_group[run], -1), jnp.where(used, first, 0),

@@ -62,7 +62,7 @@ from tokenspeed_jax.kernels.kda_ref import (
     pool_layout,
     prepare_gate,
 )
-from tokenspeed_jax.kernels.kernel_math import dot, dot_tn
+from tokenspeed_jax.kernels.kernel_math import count_at_most, dot, dot_tn
 
 __all__ = [
     "ChunkConfig",
@@ -232,7 +232,7 @@ def _chunk_layout(cu_seqlens, num_tokens: int, num_chunks: int):
     ).astype(jnp.int32)
     num_requests = lengths.shape[0]
     chunk = jnp.arange(num_chunks, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(first_chunk[1:], chunk, side="right"), num_requests - 1)
+    owner = jnp.minimum(count_at_most(first_chunk[1:], chunk), num_requests - 1)
     local = (chunk - first_chunk[owner])[:, None] * CHUNK_SIZE + jnp.arange(CHUNK_SIZE)[None, :]
     real = (chunk < first_chunk[-1])[:, None] & (local < lengths[owner][:, None])
     token_of_row = jnp.where(real, cu_seqlens[owner][:, None] + local, num_tokens)

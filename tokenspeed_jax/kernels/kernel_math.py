@@ -17,6 +17,14 @@ LOG2E = math.log2(math.e)  # attention scores are taken in base 2: exp(x) = exp2
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: an all-masked block makes no NaN
 
 
+def count_at_most(sorted_bounds, values):
+    """For each of ``values``, how many of the ascending ``sorted_bounds`` are <= it (the
+    request or run a token or tile falls in). One comparison of every pair, not JAX's default
+    binary search: that runs as a while loop, one kernel launch per halving step on a GPU, inside
+    every compiled step that needs it; the bounds here are a few hundred at most."""
+    return jnp.searchsorted(sorted_bounds, values, side="right", method="compare_all")
+
+
 def dot_precision(dtype) -> lax.Precision:
     """The precision of a kernel's dots over ``dtype`` operands: exact float32 (``HIGHEST``, no
     TF32) for float32, the default for narrower types (their products are exact in float32)."""

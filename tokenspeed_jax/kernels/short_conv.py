@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tokenspeed_jax.kernels.kernel_math import count_at_most
+
 __all__ = ["short_conv", "short_conv_pool"]
 
 ACTIVATIONS = {"silu": jax.nn.silu, None: lambda x: x}
@@ -49,7 +51,7 @@ def short_conv(
                          f"got {conv_state.shape}")
     cu_seqlens = cu_seqlens.astype(jnp.int32)
     token = jnp.arange(T, dtype=jnp.int32)
-    request = jnp.minimum(jnp.searchsorted(cu_seqlens[1:], token, side="right"), num_requests - 1)
+    request = jnp.minimum(count_at_most(cu_seqlens[1:], token), num_requests - 1)
     position = token - cu_seqlens[request]
     f32 = jnp.float32
     acc = jnp.zeros((T, D), f32)

@@ -176,9 +176,11 @@ class KimiDeltaAttention(nnx.Module):
     def conv_dim(self) -> int:
         return 3 * self.num_heads * self.head_dim
 
-    def inputs(self, x: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> tuple:
+    def inputs(self, x: jax.Array, conv_pool: jax.Array, meta: KdaMeta, *,
+               decode: bool = False) -> tuple:
         """Normed hidden [T, D] -> (q, k, v [T, H, K], g fp32, beta [T, H], gate [T, H, K],
-        updated conv pool)."""
+        updated conv pool). ``decode`` (one token per request) stores no conv checkpoint: a
+        checkpoint needs a whole chunk of the request's tokens, so a decode step has none."""
         h, dim, tokens = self.num_heads, self.head_dim, x.shape[0]
         # channels head-major [H, 3, K] (module invariants)
         mixed = jnp.stack([linear("TD,DHK->THK", x, getattr(self, f"{n}_proj"), self.dtype)
@@ -188,7 +190,8 @@ class KimiDeltaAttention(nnx.Module):
         conv_out, conv_pool = short_conv_pool(
             mixed, weight, conv_pool, jnp.asarray(meta.slots, jnp.int32),
             jnp.asarray(meta.cu_seqlens, jnp.int32), activation="silu")
-        conv_pool = conv_checkpoint(mixed, conv_pool, meta)
+        if not decode:
+            conv_pool = conv_checkpoint(mixed, conv_pool, meta)
         conv_out = conv_out.reshape(tokens, h, 3, dim)
         q, k, v = (conv_out[:, :, i] for i in range(3))
         f = linear("TD,DK->TK", x, self.f_a_proj, self.dtype)
@@ -210,7 +213,7 @@ class KimiDeltaAttention(nnx.Module):
     def __call__(self, x: jax.Array, conv_pool: jax.Array, state_pool: jax.Array, meta: KdaMeta,
                  *, impl: KdaImpl, decode: bool = False, mesh: Mesh | None = None) -> tuple:
         """The whole mixer: (out [T, D], conv pool, state pool)."""
-        q, k, v, g, beta, gate, conv_pool = self.inputs(x, conv_pool, meta)
+        q, k, v, g, beta, gate, conv_pool = self.inputs(x, conv_pool, meta, decode=decode)
         o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
                                  mesh=mesh)
         return self.outputs(o, gate), conv_pool, state_pool

@@ -246,9 +246,11 @@ class KimiDecoderLayer(nnx.Module):
         hidden = hidden.astype(self.dtype) + mixed
         return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh)
 
-    def kda_inputs(self, hidden: jax.Array, conv_pool: jax.Array, meta: KdaMeta) -> tuple:
+    def kda_inputs(self, hidden: jax.Array, conv_pool: jax.Array, meta: KdaMeta, *,
+                   decode: bool = False) -> tuple:
         """hidden [T, D] -> (q, k, v, g, beta, gate, conv pool); see ``KimiDeltaAttention``."""
-        return self.self_attn.inputs(self.input_layernorm(hidden), conv_pool, meta)
+        return self.self_attn.inputs(self.input_layernorm(hidden), conv_pool, meta,
+                                     decode=decode)
 
     def kda_outputs(self, hidden: jax.Array, o: jax.Array, gate: jax.Array, *,
                     mesh: Mesh | None = None) -> jax.Array:
@@ -260,7 +262,8 @@ class KimiDecoderLayer(nnx.Module):
                   mesh: Mesh | None = None) -> tuple:
         """The whole KDA layer: (hidden, conv pool, state pool). ``mesh``: the weights are split
         over it (``parallel``); the Pallas kernels and the experts run per shard."""
-        q, k, v, g, beta, gate, conv_pool = self.kda_inputs(hidden, conv_pool, meta)
+        q, k, v, g, beta, gate, conv_pool = self.kda_inputs(hidden, conv_pool, meta,
+                                                            decode=decode)
         o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
                                  mesh=mesh)
         return self.kda_outputs(hidden, o, gate, mesh=mesh), conv_pool, state_pool
