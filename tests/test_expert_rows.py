@@ -163,6 +163,20 @@ def test_moe_rows_path_matches_the_sorted_path(dtype, num_tokens, rows):
     assert_close(actual, expected, dtype)
 
 
+@pytest.mark.parametrize("rows", [NO_EXPERT_ROWS, ExpertRowsKernel(REFERENCE), PALLAS_ROWS],
+                         ids=["sorted", "reference", "pallas"])
+def test_rows_that_are_not_live_route_to_no_expert(rows):
+    moe = small_moe(jnp.float32, rows)
+    x = tokens(jnp.float32, 4)
+    live = np.array([True, False, True, False])
+    masked, whole = np.asarray(moe(x, live=jnp.asarray(live))), np.asarray(moe(x))
+    # a live row keeps its pairs, in their order: the same result
+    np.testing.assert_allclose(masked[live], whole[live], rtol=1e-6, atol=1e-6)
+    # the others keep the shared experts alone: their routed part is zero
+    np.testing.assert_array_equal(masked[~live], np.asarray(moe.shared_experts(x))[~live])
+    assert np.abs(whole[~live] - masked[~live]).max() > 1e-3  # they had a routed part
+
+
 def test_the_pair_count_picks_the_path():
     moe = small_moe(jnp.float32, ExpertRowsKernel(max_pairs=4))  # top-2: 2 tokens, 4 pairs
 

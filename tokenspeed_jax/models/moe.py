@@ -20,7 +20,9 @@ count, tokens x top-k (a static shape under jit, as a decode step's batch bucket
   expert, scattered back by token.
 
 Both compute the same function with the same roundings (up to summation order); shapes stay
-static. Shared experts run on every token and add. ``grouped_kernel`` picks the grouped matmul;
+static. Shared experts run on every token and add. Rows that are not ``live`` (a compiled step's
+padding past its real tokens) route to no expert: their routed part is zero and their pairs read
+no expert weights (a batch-1 decode step in a 2-row bucket would otherwise read 16 experts, not 8). ``grouped_kernel`` picks the grouped matmul;
 by default ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel (tokens x top-k of
 work) on GPUs, ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it densely, tokens x experts
 of work). ``expert_rows_kernel`` picks the other path's implementation and its threshold; by
@@ -73,8 +75,10 @@ class SwiGLU(nnx.Module):
         self.down_proj = normal_param(rngs, (intermediate, hidden), param_dtype)
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, mesh: Mesh | None = None,
+                 live: jax.Array | None = None) -> jax.Array:
         del mesh  # column/row parallel weights: XLA partitions the matmuls
+        del live  # every row reads the same weights: padding rows cost no extra reads
         gate = linear("...D,DF->...F", x, self.gate_proj, self.dtype)
         up = linear("...D,DF->...F", x, self.up_proj, self.dtype)
         return linear("...F,FD->...D", nnx.silu(gate) * up, self.down_proj, self.dtype)
@@ -123,6 +127,9 @@ def routed_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w1
                             *(w.astype(dtype) for w in (w1, w3, w2)), kernel=kernel)
     out = out.astype(jnp.float32).reshape(num_tokens, top_k, -1)
     return jnp.sum(weights[..., None] * out, axis=1)
+
+
+NO_EXPERT = -1  # an expert id no device holds: the pair is computed by neither path
 
 
 class KimiMoE(nnx.Module):
@@ -203,11 +210,15 @@ class KimiMoE(nnx.Module):
         return routed_through_groups(x, experts, weights, w1, w3, w2, first, dtype=self.dtype,
                                      kernel=self.grouped_kernel)
 
-    def __call__(self, x: jax.Array, *, mesh: Mesh | None = None) -> jax.Array:
-        """x [..., D] -> [..., D]; ``mesh``: experts split over it (module docstring)."""
+    def __call__(self, x: jax.Array, *, mesh: Mesh | None = None,
+                 live: jax.Array | None = None) -> jax.Array:
+        """x [..., D] -> [..., D]; ``mesh``: experts split over it; ``live`` bool [...]: the
+        rows that are real tokens, the others routed to no expert (module docstring)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1]).astype(self.dtype)
         experts, weights = self.route(x)
+        if live is not None:
+            experts = jnp.where(live.reshape(-1, 1), experts, NO_EXPERT)
         w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
         if mesh is None:
             routed = self._routed(x, experts, weights, w1, w3, w2, 0)

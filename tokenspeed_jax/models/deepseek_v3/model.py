@@ -88,12 +88,13 @@ class DeepseekV3DecoderLayer(nnx.Module):
         (the segmented runner's form: it hands a layer the positions, not the tables)."""
         return self.attention_inputs(hidden, rope_tables(self.config, positions))
 
-    def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *,
-                    mesh: Mesh | None = None) -> jax.Array:
+    def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *, mesh: Mesh | None = None,
+                    live: jax.Array | None = None) -> jax.Array:
         """The layer's input residual and latent attention [..., H, R] -> output [..., D].
-        ``mesh``: the weights are split over it; the routed experts run per shard."""
+        ``mesh``: the weights are split over it; the routed experts run per shard. ``live``
+        [...]: the real tokens (``moe.KimiMoE``)."""
         hidden = hidden.astype(self.dtype) + self.self_attn.outputs(attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh, live=live)
 
 
 def dense_caches(config: DeepseekV3Config, batch: int, max_len: int, dtype: Any) -> Caches:

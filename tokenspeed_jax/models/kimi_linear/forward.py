@@ -208,6 +208,7 @@ class LatentForward(Forward):
         outer_state, layer_states = params
         pools = dict(pools)
         positions = meta["positions"]
+        live = positions >= 0  # padding rows route to no expert (``moe.KimiMoE``)
         kda_meta = KdaMeta(*(meta[n] for n in KDA_META))
         hidden = self.outer(outer_state).embed(token_ids)
         for i, (kind, state) in enumerate(zip(self.kinds, layer_states)):
@@ -216,14 +217,14 @@ class LatentForward(Forward):
                 conv, pool = f"conv.{i}", f"state.{i}"
                 hidden, pools[conv], pools[pool] = layer.kda_block(
                     hidden, pools[conv], pools[pool], kda_meta, impl="pallas", decode=True,
-                    mesh=self.mesh)
+                    mesh=self.mesh, live=live)
             else:
                 latent = f"latent.{i}"
                 q, rows = layer.mla_inputs(hidden, positions)
                 attn, pools[latent] = mla_decode_step(
                     q, rows, pools[latent], meta["page_tables"], positions, scale=self.scale,
                     kv_lora_rank=self.model_config.kv_lora_rank, kernel=self.mla_kernel)
-                hidden = layer.mla_outputs(hidden, attn, mesh=self.mesh)
+                hidden = layer.mla_outputs(hidden, attn, mesh=self.mesh, live=live)
         return hidden, pools
 
     def prefill_plan(self, route: str, pools: Sequence[str]) -> Plan:

@@ -242,9 +242,10 @@ class KimiDecoderLayer(nnx.Module):
                 rngs=rngs, **kw)
         self.dtype = dtype
 
-    def _feed_forward(self, hidden: jax.Array, mixed: jax.Array, mesh: Mesh | None) -> jax.Array:
+    def _feed_forward(self, hidden: jax.Array, mixed: jax.Array, mesh: Mesh | None,
+                      live: jax.Array | None) -> jax.Array:
         hidden = hidden.astype(self.dtype) + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), mesh=mesh, live=live)
 
     def kda_inputs(self, hidden: jax.Array, conv_pool: jax.Array, meta: KdaMeta, *,
                    decode: bool = False) -> tuple:
@@ -253,20 +254,22 @@ class KimiDecoderLayer(nnx.Module):
                                      decode=decode)
 
     def kda_outputs(self, hidden: jax.Array, o: jax.Array, gate: jax.Array, *,
-                    mesh: Mesh | None = None) -> jax.Array:
-        """The layer's input residual, KDA output and gate -> the layer's output [T, D]."""
-        return self._feed_forward(hidden, self.self_attn.outputs(o, gate), mesh)
+                    mesh: Mesh | None = None, live: jax.Array | None = None) -> jax.Array:
+        """The layer's input residual, KDA output and gate -> the layer's output [T, D];
+        ``live`` [T]: the real tokens (``moe.KimiMoE``)."""
+        return self._feed_forward(hidden, self.self_attn.outputs(o, gate), mesh, live)
 
     def kda_block(self, hidden: jax.Array, conv_pool: jax.Array, state_pool: jax.Array,
                   meta: KdaMeta, *, impl: KdaImpl, decode: bool = False,
-                  mesh: Mesh | None = None) -> tuple:
+                  mesh: Mesh | None = None, live: jax.Array | None = None) -> tuple:
         """The whole KDA layer: (hidden, conv pool, state pool). ``mesh``: the weights are split
-        over it (``parallel``); the Pallas kernels and the experts run per shard."""
+        over it (``parallel``); the Pallas kernels and the experts run per shard. ``live``
+        [T]: the real tokens (``moe.KimiMoE``)."""
         q, k, v, g, beta, gate, conv_pool = self.kda_inputs(hidden, conv_pool, meta,
                                                             decode=decode)
         o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
                                  mesh=mesh)
-        return self.kda_outputs(hidden, o, gate, mesh=mesh), conv_pool, state_pool
+        return self.kda_outputs(hidden, o, gate, mesh=mesh, live=live), conv_pool, state_pool
 
     def mla_inputs(self, hidden: jax.Array, positions: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array]:
@@ -275,10 +278,11 @@ class KimiDecoderLayer(nnx.Module):
         del positions
         return self.self_attn.inputs(self.input_layernorm(hidden))
 
-    def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *,
-                    mesh: Mesh | None = None) -> jax.Array:
-        """The layer's input residual and latent attention [..., H, R] -> output [..., D]."""
-        return self._feed_forward(hidden, self.self_attn.outputs(attn), mesh)
+    def mla_outputs(self, hidden: jax.Array, attn: jax.Array, *, mesh: Mesh | None = None,
+                    live: jax.Array | None = None) -> jax.Array:
+        """The layer's input residual and latent attention [..., H, R] -> output [..., D];
+        ``live`` [...]: the real tokens (``moe.KimiMoE``)."""
+        return self._feed_forward(hidden, self.self_attn.outputs(attn), mesh, live)
 
 
 @jax.tree_util.register_dataclass
