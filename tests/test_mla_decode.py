@@ -131,7 +131,8 @@ def test_split_count_fills_the_gpu_at_small_batches():
     assert mla_split_count(16, 40, blocks) == 3  # 3 head blocks: 48 programs, 3 splits 144
     assert mla_split_count(64, 32, blocks) == 1  # 128 already
     assert mla_split_count(1, 8, MLADecodeBlocks(most_splits=2)) == 2
-    assert mla_split_count(1, 32) == 16  # the default cap
+    assert mla_split_count(1, 16) == 64  # the default cap: one head block, 128 would fill
+    assert mla_split_count(2, 32) == 32  # a 2-row bucket of Kimi-Linear's 32 heads: 128 programs
     assert mla_split_count(2, 128, MLADecodeBlocks(block_h=32)) == 16  # 8 programs: 16 fill
 
 
