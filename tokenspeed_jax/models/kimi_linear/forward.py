@@ -30,7 +30,9 @@ Invariants:
   decode step continues from what its rows hold. Decode rows continue (position > 0), so decode
   resets no row.
 * Padding tokens have slot -1, request -1 and position -1; padding requests have state slot -1
-  and no checkpoint: they never write a pool row or a page.
+  and no checkpoint: they never write a pool row or a page. Every layer's experts see the
+  position: a padding token (prefill or decode) routes to no expert (``moe.KimiMoE``'s
+  ``live``), so a bucket's padding reads and multiplies no expert weights.
 * Prefix checkpoints: a request with ``checkpoint_slot >= 0`` stores its KDA and conv states at
   the last multiple of ``prefix_granularity`` its step crosses (``checkpoint_split``). Every plan
   carries per-request checkpoint offsets and slots, so a step with zero, one or more
@@ -143,14 +145,15 @@ class LatentForward(Forward):
             state = self.layer_states[i]
             conv, pool = f"conv.{i}", f"state.{i}"
             if kind == KDA and route == "inline":
-                def block(params, hidden, conv_pool, state_pool, fresh, *meta, _g=graph):
+                def block(params, hidden, positions, conv_pool, state_pool, fresh, *meta,
+                          _g=graph):
                     return self._layer(_g, params).kda_block(
                         hidden, reset_rows(conv_pool, fresh), reset_rows(state_pool, fresh),
-                        KdaMeta(*meta), impl=impl, mesh=self.mesh)
+                        KdaMeta(*meta), impl=impl, mesh=self.mesh, live=positions >= 0)
 
                 pieces.append(Piece(("kda", graph, impl),
                                     self._fn(("kda", graph, impl), lambda b=block: b),
-                                    ("hidden", conv, pool, FRESH, *KDA_META),
+                                    ("hidden", "positions", conv, pool, FRESH, *KDA_META),
                                     ("hidden", conv, pool), state))
             elif kind == KDA:
                 def kda_in(params, hidden, conv_pool, fresh, *meta, _g=graph):
@@ -161,8 +164,9 @@ class LatentForward(Forward):
                     return kda_core(q, k, v, g, beta, reset_rows(state_pool, fresh),
                                     KdaMeta(*kda_meta), impl=impl, decode=False, mesh=self.mesh)
 
-                def kda_out(params, hidden, o, gate, _g=graph):
-                    return (self._layer(_g, params).kda_outputs(hidden, o, gate, mesh=self.mesh),)
+                def kda_out(params, hidden, positions, o, gate, _g=graph):
+                    return (self._layer(_g, params).kda_outputs(
+                        hidden, o, gate, mesh=self.mesh, live=positions >= 0),)
 
                 qkv = ("q", "k", "v", "g", "beta")
                 pieces += [
@@ -172,7 +176,7 @@ class LatentForward(Forward):
                           (*qkv, pool, FRESH, *KDA_META), ("o", pool), meta="kda",
                           donate=(pool,)),
                     Piece(("kda_out", graph), self._fn(("kda_out", graph), lambda f=kda_out: f),
-                          ("hidden", "o", "gate"), ("hidden",), state),
+                          ("hidden", "positions", "o", "gate"), ("hidden",), state),
                 ]
             else:
                 latent = f"latent.{i}"
@@ -180,8 +184,9 @@ class LatentForward(Forward):
                 def mla_in(params, hidden, positions, _g=graph):
                     return self._layer(_g, params).mla_inputs(hidden, positions)
 
-                def mla_out(params, hidden, attn, _g=graph):
-                    return (self._layer(_g, params).mla_outputs(hidden, attn, mesh=self.mesh),)
+                def mla_out(params, hidden, positions, attn, _g=graph):
+                    return (self._layer(_g, params).mla_outputs(hidden, attn, mesh=self.mesh,
+                                                                live=positions >= 0),)
 
                 pieces += [
                     Piece(("mla_in", graph), self._fn(("mla_in", graph), lambda f=mla_in: f),
@@ -189,7 +194,7 @@ class LatentForward(Forward):
                     Piece(("mla",), self._mla_prefill, ("q_lat", "kv", "positions", latent),
                           ("attn", latent), meta="attention", donate=(latent,)),
                     Piece(("mla_out", graph), self._fn(("mla_out", graph), lambda f=mla_out: f),
-                          ("hidden", "attn"), ("hidden",), state),
+                          ("hidden", "positions", "attn"), ("hidden",), state),
                 ]
         return [*pieces, ROWS_PIECE]
 
