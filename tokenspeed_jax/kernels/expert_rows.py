@@ -78,9 +78,10 @@ class ExpertRowsBlocks:
     # a pair's row as a dot of 16 rows (zero-padded), not a multiply-and-sum: faster at every
     # decode size measured on an H200 (benchmarks/bench_expert_rows.py)
     dot_rows: bool = True
-    # split the contraction until this many programs: about 4 per SM of an H200 (132 SMs), the
-    # fastest of 128 / 264 / 528 / 1056 at 1 and 8 tokens for both MoE shapes in
-    # benchmarks/bench_expert_rows.py (one SM's worth: 20-25% slower at 1 token)
+    # split the contraction until this many programs: about 4 per SM of an H200 (132 SMs). Of
+    # 128 / 264 / 528 / 1056 in benchmarks/bench_expert_rows.py the fastest for one Kimi-Linear
+    # token (47.8 us against 58.8 at 128 and 62.6 at 1056), within 5% of the best at 8 tokens
+    # and for DeepSeek-V3
     fill_programs: int = 528
     num_warps: int = 4
     num_stages: int = 3
