@@ -9,6 +9,7 @@ past the last group, and sizes adding up past M (cut at M, as ragged_dot does).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from tokenspeed_jax.kernels.grouped_matmul import (
     num_tiles,
     tile_schedule,
 )
+from tokenspeed_jax.kernels.kernel_math import count_at_most
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
 from tokenspeed_jax.models.moe import KimiMoE
 
@@ -126,6 +128,21 @@ def test_tile_schedule_covers_every_row_once_with_its_group(block_m):
     rng = np.random.default_rng(2)
     for sizes in list(SIZES) + [tuple(rng.integers(0, 20, G)) for _ in range(20)]:
         assert_schedule_covers(sizes, M, block_m)
+
+
+def test_the_tile_schedule_and_its_sorted_bound_count_run_no_loop():
+    """The schedule is part of every compiled MoE step: it must not hold a while loop (a binary
+    search runs as one, a kernel launch per halving step on a GPU). ``count_at_most`` counts as
+    numpy's right-side search does, repeated and out-of-range values included."""
+    bounds = jnp.array([0, 3, 3, 7, 12], jnp.int32)
+    values = jnp.arange(-2, 15, dtype=jnp.int32)
+    np.testing.assert_array_equal(
+        count_at_most(bounds, values),
+        np.searchsorted(np.asarray(bounds), np.asarray(values), side="right"))
+    sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+    for fn, args in ((count_at_most, (bounds, values)),
+                     (lambda s: tile_schedule(s, 16, 4), (sizes,))):
+        assert "while" not in str(jax.make_jaxpr(fn)(*args))
 
 
 def test_a_few_rows_among_many_groups_take_a_few_tiles():

@@ -25,6 +25,7 @@ from tokenspeed_jax.models.kimi_linear import MLA, KimiLinearForCausalLM
 from tokenspeed_jax.models.kimi_linear import forward as kimi_forward
 from tokenspeed_jax.models.kimi_linear.forward import checkpoint_split
 from tokenspeed_jax.models.loader import load_checkpoint
+from tokenspeed_jax.models.moe import KimiMoE
 from tokenspeed_jax.sampling_params import SamplingParams
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -217,6 +218,22 @@ def test_decode_is_one_executable_per_batch_bucket(runner):
         f"decode B={rows}" for rows in runner.buckets.decode_executables]
     assert [label for label in labels if label.startswith("head")] == [
         f"head B={rows}" for rows in runner.buckets.prefill_requests]
+
+
+def test_every_moe_layer_of_a_compiled_step_knows_its_padding_rows(monkeypatch):
+    """The decode and prefill plans hand each MoE layer the rows that are real tokens
+    (``live``, from the positions), so a bucket's padding rows route to no expert and read no
+    expert weights (``moe.KimiMoE``); the dense first layer is not asked."""
+    calls = []
+    original = KimiMoE.__call__
+
+    def recording(self, x, *, mesh=None, live=None):
+        calls.append(live is not None)
+        return original(self, x, mesh=mesh, live=live)
+
+    monkeypatch.setattr(KimiMoE, "__call__", recording)
+    new_runner(compile_cache=False).compile_all()  # traces every plan
+    assert calls and all(calls)
 
 
 def test_decode_steps_alternate_between_two_loaded_copies_when_asked(runner):
