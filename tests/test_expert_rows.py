@@ -13,6 +13,7 @@ import json
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,6 +90,37 @@ def test_kernel_matches_the_reference(dtype, num_pairs, blocks):
     assert_close(out, expert_rows_mlp_reference(*args), dtype)
     outside = ~((args[2] >= 0) & (args[2] < E))
     assert not np.any(np.asarray(out, np.float32)[np.asarray(outside)])
+
+
+def with_shared(args, num_shared: int = 2, seed: int = 5):
+    """``operands`` plus a shared stack of ``num_shared`` experts (ids E, E + 1, ...), the
+    pairs' ids redrawn over both stacks and past them."""
+    x, token, expert, w1, w3, w2 = args
+    rng = np.random.default_rng(seed)
+    shared = tuple(jnp.asarray(rng.standard_normal((num_shared, *w.shape[1:])) / 8, w.dtype)
+                   for w in (w1, w3, w2))
+    expert = jnp.asarray(rng.integers(-1, E + num_shared + 1, expert.shape[0]), jnp.int32)
+    return (x, token, expert, w1, w3, w2), shared
+
+
+@pytest.mark.parametrize("blocks", BLOCKS.values(), ids=BLOCKS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_kernel_with_a_shared_stack_matches_the_reference(dtype, blocks):
+    args, shared = with_shared(operands(dtype, 64))
+    out = expert_rows_mlp(*args, shared, blocks=blocks, interpret=True)
+    assert_close(out, expert_rows_mlp_reference(*args, shared), dtype)
+    expert = np.asarray(args[2])
+    assert {-1, E, E + 1, E + 2} <= set(expert)  # the shared ids and both sides past the stacks
+    assert not np.any(np.asarray(out, np.float32)[(expert < 0) | (expert >= E + 2)])
+    assert np.all(np.any(np.asarray(out, np.float32)[expert == E] != 0, axis=1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_a_shared_stack_continues_the_ids_of_the_routed_one(dtype):
+    (x, token, expert, w1, w3, w2), shared = with_shared(operands(dtype, 16, seed=2))
+    whole = (jnp.concatenate([w, s]) for w, s in zip((w1, w3, w2), shared))
+    assert_close(expert_rows_mlp_reference(x, token, expert, w1, w3, w2, shared),
+                 loop_reference(x, token, expert, *whole, dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -172,9 +204,41 @@ def test_rows_that_are_not_live_route_to_no_expert(rows):
     masked, whole = np.asarray(moe(x, live=jnp.asarray(live))), np.asarray(moe(x))
     # a live row keeps its pairs, in their order: the same result
     np.testing.assert_allclose(masked[live], whole[live], rtol=1e-6, atol=1e-6)
-    # the others keep the shared experts alone: their routed part is zero
-    np.testing.assert_array_equal(masked[~live], np.asarray(moe.shared_experts(x))[~live])
+    # the others keep the shared experts alone: their routed part is zero (on the rows paths
+    # the shared expert is a pair of the kernel call: its own summation order)
+    np.testing.assert_allclose(masked[~live], np.asarray(moe.shared_experts(x))[~live],
+                               rtol=1e-6, atol=1e-6)
     assert np.abs(whole[~live] - masked[~live]).max() > 1e-3  # they had a routed part
+
+
+def count_outside_kernels(jaxpr, primitive: str) -> int:
+    """Equations of ``primitive`` in ``jaxpr`` and its nested jaxprs, not inside a Pallas
+    kernel's body."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == primitive
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += count_outside_kernels(sub, primitive)
+    return count
+
+
+@pytest.mark.parametrize("rows", [ExpertRowsKernel(REFERENCE), PALLAS_ROWS],
+                         ids=["reference", "pallas"])
+def test_the_shared_expert_is_a_pair_of_the_rows_call(rows):
+    """On the rows path the shared expert's three products are the kernel's: the step's only
+    dot left is the router's (the sorted path keeps the shared SwiGLU's three)."""
+    x = tokens(jnp.float32, 3)
+
+    def dots(moe: KimiMoE) -> int:
+        return count_outside_kernels(jax.make_jaxpr(moe)(x).jaxpr, "dot_general")
+
+    assert dots(small_moe(jnp.float32, NO_EXPERT_ROWS)) == 4
+    moe = small_moe(jnp.float32, rows)
+    assert dots(moe) == 1 + (3 if rows.backend == REFERENCE else 0)  # the reference's einsums
+    expected = np.asarray(small_moe(jnp.float32, NO_EXPERT_ROWS)(x))
+    np.testing.assert_allclose(np.asarray(moe(x)), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_pair_count_picks_the_path():

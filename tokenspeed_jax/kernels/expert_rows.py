@@ -2,13 +2,14 @@
 weights in place: no sort by expert, no weight copy. The MoE's decode-sized path.
 
 Contract: ``x [T, D]``, ``token i32[P]``, ``expert i32[P]``, ``w1, w3 [E, D, F]``,
-``w2 [E, F, D]``, all floats of one dtype -> ``[P, D]`` in that dtype: row ``p`` is the SwiGLU
-expert MLP ``w2[e] (silu(x[t] @ w1[e]) * (x[t] @ w3[e]))`` with ``t = token[p]``,
-``e = expert[p]``. Invariants:
+``w2 [E, F, D]``, all floats of one dtype -> ``[P, D]`` in that dtype: row ``p`` is the SwiGLU expert MLP
+``w2[e] (silu(x[t] @ w1[e]) * (x[t] @ w3[e]))`` with ``t = token[p]``, ``e = expert[p]``. An
+optional second stack ``shared`` (w1, w3, w2 of ``E_s`` more experts: the MoE's shared expert)
+continues the ids: ``E .. E + E_s - 1`` index it. Invariants:
 
-* A pair whose expert id is outside ``[0, E)`` (under expert parallelism, an expert of another
-  device) gives a row of zeros; its programs read no weight. Token ids are data, not checked:
-  they must be in ``[0, T)``.
+* A pair whose expert id is outside ``[0, E + E_s)`` (under expert parallelism, an expert of
+  another device) gives a row of zeros; its programs read no weight. Token ids are data, not
+  checked: they must be in ``[0, T)``.
 * The arithmetic of ``moe.expert_mlp`` over the same pairs (the sorted grouped matmuls): each
   projection sums in float32 (float32 operands exactly, ``kernel_math.dot_precision``) and is
   rounded once to the dtype; silu and the product run in the dtype (``swiglu``).
@@ -22,14 +23,16 @@ Two implementations of one function, chosen statically by an ``ExpertRowsKernel`
   projections together, then the down projection. A call has one program per (pair, block of
   ``block_n`` output columns, split of the contraction), pairs varying fastest in the launch order
   so that the pairs of one expert ask for each weight block at about the same time. Each program
-  reads its pair's expert id and indexes the whole weight stack with it. The contraction is cut
-  into ``split_count`` equal ranges of whole ``block_k`` steps when the (pair, column block)
-  programs alone are fewer than ``fill_programs``; every split writes float32 partial sums
-  ``[S, P, N]``, added after the call, so the activation and the rounding see whole sums. A
-  pair's single row is either multiplied and summed (products accumulated in a
-  ``[block_k, block_n]`` float32 block, reduced once at the end) or, with ``dot_rows``, taken as a
-  dot of 16 rows, the other 15 zero (Triton's smallest dot; zero rows add exact zeros).
-* ``expert_rows_mlp_reference``: each pair's expert weights gathered, then einsums.
+  reads its pair's expert id and indexes the stack it falls in (one loop per stack, of no step in
+  the others). The contraction is cut into ``split_count`` equal ranges of whole ``block_k`` steps
+  when the (pair, column block) programs alone are fewer than ``fill_programs``; every split
+  writes float32 partial sums ``[S, P, N]``, added after the call, so the activation and the
+  rounding see whole sums. A pair's single row is either multiplied and summed (products
+  accumulated in a ``[block_k, block_n]`` float32 block, reduced once at the end) or, with
+  ``dot_rows``, taken as a dot of 16 rows, the other 15 zero (Triton's smallest dot; zero rows add
+  exact zeros).
+* ``expert_rows_mlp_reference``: the stacks concatenated, each pair's expert weights gathered,
+  then einsums.
 
 ``ExpertRowsKernel.max_pairs`` is where the MoE switches to this path (``takes``); above it, the
 sorted grouped matmuls read each touched expert once however many pairs share it.
@@ -67,6 +70,8 @@ logger = logging.getLogger(__name__)
 # share more experts, whose weights this path reads once per pair and the sorted grouped matmuls
 # once per expert (bench_expert_rows.py times both sides of the switch).
 MAX_PAIRS = 64
+
+Stack = tuple[jax.Array, jax.Array, jax.Array]  # w1, w3 [E, D, F] and w2 [E, F, D] of E experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,21 +172,27 @@ def swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)
 
 
-def _check_operands(x, token, expert, w1, w3, w2) -> None:
+def _check_operands(x, token, expert, w1, w3, w2, shared) -> tuple[Stack, ...]:
+    """The operands' problems raised; the weight stacks, routed then shared when given."""
     if x.ndim != 2 or w1.ndim != 3 or w1.shape[1] != x.shape[1]:
         raise ValueError(f"x {x.shape} and w1 {w1.shape} must be [T, D] and [E, D, F]")
-    num_experts, hidden, intermediate = w1.shape
-    if w3.shape != w1.shape or w2.shape != (num_experts, intermediate, hidden):
-        raise ValueError(f"w3 {w3.shape} and w2 {w2.shape} must be {w1.shape} and "
-                         f"{(num_experts, intermediate, hidden)}")
+    stacks = ((w1, w3, w2),) if shared is None else ((w1, w3, w2), tuple(shared))
+    for s1, s3, s2 in stacks:
+        num_experts, hidden, intermediate = s1.shape
+        if (s1.shape[1:] != w1.shape[1:] or s3.shape != s1.shape
+                or s2.shape != (num_experts, intermediate, hidden)):
+            raise ValueError(f"each stack's w1 {s1.shape}, w3 {s3.shape} and w2 {s2.shape} "
+                             f"must be [E, {w1.shape[1]}, {w1.shape[2]}] twice and "
+                             f"[E, {w1.shape[2]}, {w1.shape[1]}]")
     if token.ndim != 1 or expert.shape != token.shape:
         raise ValueError(f"token {token.shape} and expert {expert.shape} must be one [P] shape")
     if not all(jnp.issubdtype(ids.dtype, jnp.integer) for ids in (token, expert)):
         raise ValueError(f"token and expert ids must be integers, not {token.dtype} and "
                          f"{expert.dtype}")
-    if len({array.dtype for array in (x, w1, w3, w2)}) != 1:
-        raise ValueError(f"x, w1, w3, w2 must share one dtype, not {x.dtype}, {w1.dtype}, "
-                         f"{w3.dtype}, {w2.dtype}")
+    dtypes = {x.dtype} | {weight.dtype for stack in stacks for weight in stack}
+    if len(dtypes) != 1:
+        raise ValueError(f"x and the weights must share one dtype, not {sorted(map(str, dtypes))}")
+    return stacks
 
 
 # ----------------------------------------------------------------------------- Pallas kernel
@@ -202,8 +213,10 @@ def _row_products(lhs, weights, *, dot_rows: bool, precision: lax.Precision) -> 
 
 def _expert_rows_kernel(
     *refs,  # [rows i32[P]: the lhs row of each pair, unless rows_are_pairs], experts i32[P]
-    # (each pair's expert; outside [0, E) gives zeros), lhs [M, K], the weights [E, K, N] (one
-    # or two), then a float32 [S, P, N] result for each weight
+    # (each pair's id in the stacks' concatenation; outside it gives zeros), lhs [M, K], each
+    # stack's weights [experts, K, N] (``per_stack`` of them, stack by stack), then a float32
+    # [S, P, N] result for each weight of a stack
+    per_stack: int,
     block_k: int,
     block_n: int,
     steps: int,  # block_k steps per split
@@ -217,38 +230,45 @@ def _expert_rows_kernel(
     else:
         rows_ref, experts_ref, lhs_ref, *refs = refs
         row = rows_ref[pair]
-    weight_refs, sum_refs = refs[:len(refs) // 2], refs[len(refs) // 2:]
-    expert = experts_ref[pair]
+    weight_refs, sum_refs = refs[:-per_stack], refs[-per_stack:]
     cols = pl.ds(column * block_n, block_n)
 
-    def k_step(index, accs):
+    def k_step(stack, expert, index, accs):
         depth = pl.ds((split * steps + index) * block_k, block_k)
         lhs = lhs_ref[row, depth]
         return tuple(acc + _row_products(lhs, weight_ref[expert, depth, cols],
                                          dot_rows=dot_rows, precision=precision)
-                     for acc, weight_ref in zip(accs, weight_refs))
+                     for acc, weight_ref in zip(accs, stack))
 
-    local = (expert >= 0) & (expert < weight_refs[0].shape[0])
-    # int32 bounds: Triton's loop needs one type for all three
-    count = jnp.where(local, jnp.int32(steps), jnp.int32(0))
-    zeros = jnp.zeros((MIN_DOT_DIM if dot_rows else block_k, block_n), jnp.float32)
-    accs = lax.fori_loop(0, count, k_step, (zeros,) * len(weight_refs))
+    accs = (jnp.zeros((MIN_DOT_DIM if dot_rows else block_k, block_n), jnp.float32),) * per_stack
+    expert = experts_ref[pair]
+    for first in range(0, len(weight_refs), per_stack):
+        stack = weight_refs[first:first + per_stack]
+        local = (expert >= 0) & (expert < stack[0].shape[0])
+        # int32 bounds: Triton's loop needs one type for all three; a pair of another stack
+        # runs no step of this one, so its id never indexes past the stack
+        count = jnp.where(local, jnp.int32(steps), jnp.int32(0))
+        accs = lax.fori_loop(0, count, functools.partial(k_step, stack, expert), accs)
+        expert = expert - stack[0].shape[0]
     for sum_ref, acc in zip(sum_refs, accs):
         sum_ref[split, pair, cols] = jnp.sum(acc, axis=0)
 
 
 def _project(lhs: jax.Array, rows: jax.Array | None, expert: jax.Array,
-             weights: tuple[jax.Array, ...], *, blocks: ExpertRowsBlocks, interpret: bool,
-             name: str) -> list[jax.Array]:
-    """float32 ``lhs[rows[p]] @ w[expert[p]]`` [P, N] for each ``w`` of ``weights`` (``rows``
-    None: row p for pair p): one Pallas call, its splits' partial sums added."""
+             stacks: tuple[tuple[jax.Array, ...], ...], *, blocks: ExpertRowsBlocks,
+             interpret: bool, name: str) -> list[jax.Array]:
+    """float32 ``lhs[rows[p]] @ w[expert[p]]`` [P, N] for each ``w`` of a stack (``rows`` None:
+    row p for pair p), ``expert`` indexing the stacks' concatenation: one Pallas call, its
+    splits' partial sums added."""
     num_pairs = expert.shape[0]
     row_operands = () if rows is None else (rows,)
+    weights = [weight for stack in stacks for weight in stack]
+    per_stack = len(stacks[0])
     _, depth, width = weights[0].shape
     steps = depth // blocks.block_k
     columns = width // blocks.block_n
     splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
-    kernel = functools.partial(_expert_rows_kernel, block_k=blocks.block_k,
+    kernel = functools.partial(_expert_rows_kernel, per_stack=per_stack, block_k=blocks.block_k,
                                block_n=blocks.block_n, steps=steps // splits,
                                dot_rows=blocks.dot_rows, rows_are_pairs=rows is None,
                                precision=dot_precision(lhs.dtype))
@@ -257,8 +277,8 @@ def _project(lhs: jax.Array, rows: jax.Array | None, expert: jax.Array,
         kernel,
         grid=(num_pairs, columns, splits),
         in_specs=[whole] * (len(row_operands) + 2 + len(weights)),
-        out_specs=[whole] * len(weights),
-        out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * len(weights),
+        out_specs=[whole] * per_stack,
+        out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * per_stack,
         compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=blocks.num_stages),
         interpret=interpret,
@@ -275,13 +295,14 @@ def expert_rows_mlp(
     w1: jax.Array,  # [E, D, F]
     w3: jax.Array,  # [E, D, F]
     w2: jax.Array,  # [E, F, D]
+    shared: Stack | None = None,  # (w1, w3, w2) of E_s more experts, ids E .. E + E_s - 1
     *,
     blocks: ExpertRowsBlocks = ExpertRowsBlocks(),
     interpret: bool | None = None,
 ) -> jax.Array:  # [P, D], x's dtype
     """Each pair's expert MLP through the Pallas kernel (module docstring)."""
     interpret = pallas_backend.resolve_interpret(interpret)
-    _check_operands(x, token, expert, w1, w3, w2)
+    stacks = _check_operands(x, token, expert, w1, w3, w2, shared)
     problem = expert_rows_problem(hidden=x.shape[1], intermediate=w1.shape[2], dtype=x.dtype,
                                   blocks=blocks)
     if problem is not None:
@@ -290,9 +311,11 @@ def expert_rows_mlp(
         raise ValueError("the kernel needs at least one pair")
     expert = expert.astype(jnp.int32)
     run = functools.partial(_project, expert=expert, blocks=blocks, interpret=interpret)
-    gate, up = run(x, token.astype(jnp.int32), weights=(w1, w3), name="expert_rows_gate_up")
+    gate, up = run(x, token.astype(jnp.int32), stacks=tuple(stack[:2] for stack in stacks),
+                   name="expert_rows_gate_up")
     hidden = swiglu(gate, up, x.dtype)
-    (out,) = run(hidden, None, weights=(w2,), name="expert_rows_down")
+    (out,) = run(hidden, None, stacks=tuple(stack[2:] for stack in stacks),
+                 name="expert_rows_down")
     return out.astype(x.dtype)
 
 
@@ -300,9 +323,12 @@ def expert_rows_mlp(
 
 
 def expert_rows_mlp_reference(x: jax.Array, token: jax.Array, expert: jax.Array, w1: jax.Array,
-                              w3: jax.Array, w2: jax.Array) -> jax.Array:
-    """The same function: each pair's row and expert weights gathered, then einsums."""
-    _check_operands(x, token, expert, w1, w3, w2)
+                              w3: jax.Array, w2: jax.Array,
+                              shared: Stack | None = None) -> jax.Array:
+    """The same function: the stacks concatenated, each pair's row and expert weights
+    gathered, then einsums."""
+    stacks = _check_operands(x, token, expert, w1, w3, w2, shared)
+    w1, w3, w2 = (jnp.concatenate(weights) for weights in zip(*stacks))
     local = (expert >= 0) & (expert < w1.shape[0])
     ids = jnp.where(local, expert, 0)
 
@@ -316,9 +342,10 @@ def expert_rows_mlp_reference(x: jax.Array, token: jax.Array, expert: jax.Array,
 
 
 def apply_expert_rows(x: jax.Array, token: jax.Array, expert: jax.Array, w1: jax.Array,
-                      w3: jax.Array, w2: jax.Array, *, kernel: ExpertRowsKernel) -> jax.Array:
+                      w3: jax.Array, w2: jax.Array, shared: Stack | None = None, *,
+                      kernel: ExpertRowsKernel) -> jax.Array:
     """Each pair's expert MLP through ``kernel``'s backend."""
     if kernel.backend == PALLAS:
-        return expert_rows_mlp(x, token, expert, w1, w3, w2, blocks=kernel.blocks,
+        return expert_rows_mlp(x, token, expert, w1, w3, w2, shared, blocks=kernel.blocks,
                                interpret=kernel.interpret)
-    return expert_rows_mlp_reference(x, token, expert, w1, w3, w2)
+    return expert_rows_mlp_reference(x, token, expert, w1, w3, w2, shared)

@@ -10,6 +10,9 @@ Routing (``KimiMoE.route``), per token, in float32:
 * weights are the chosen experts' plain scores, renormalised to sum to one when
   ``moe_renormalize`` (+1e-20, as the reference does), then times ``routed_scaling_factor``.
 
+``kernels/routing.py`` holds the rule: a Pallas kernel for decode-sized token counts on GPUs
+(``routing_kernel``, by default ``routing.choose_routing_kernel``), plain JAX otherwise.
+
 The routed experts take one of two paths, chosen statically by the call's (token, expert) pair
 count, tokens x top-k (a static shape under jit, as a decode step's batch bucket is):
 
@@ -20,14 +23,18 @@ count, tokens x top-k (a static shape under jit, as a decode step's batch bucket
   expert, scattered back by token.
 
 Both compute the same function with the same roundings (up to summation order); shapes stay
-static. Shared experts run on every token and add. Rows that are not ``live`` (a compiled step's
-padding past its real tokens) route to no expert: their routed part is zero and their pairs read
-no expert weights (a batch-1 decode step in a 2-row bucket would otherwise read 16 experts, not 8). ``grouped_kernel`` picks the grouped matmul;
-by default ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel (tokens x top-k of
-work) on GPUs, ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it densely, tokens x experts
-of work). ``expert_rows_kernel`` picks the other path's implementation and its threshold; by
-default ``expert_rows.choose_expert_rows_kernel`` does (the Pallas kernel on GPUs; off
-elsewhere, so the CPU runs the sorted path).
+static. Shared experts run on every token and add; on the rows path without a mesh, a single
+shared expert of the routed experts' size (Kimi-Linear's, DeepSeek-V3's) is one more pair of each
+token in the same kernel call (``experts_through_rows``), so a decode step reads its weights in
+the same launch as the routed ones; otherwise it is its own ``SwiGLU``. Rows that are not ``live``
+(a compiled step's padding past its real tokens) route to no expert: their routed part is zero and
+their pairs read no expert weights (a batch-1 decode step in a 2-row bucket would otherwise read
+16 experts, not 8). ``grouped_kernel`` picks the grouped matmul; by default
+``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel (tokens x top-k of work) on GPUs,
+``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it densely, tokens x experts of work).
+``expert_rows_kernel`` picks the other path's implementation and its threshold; by default
+``expert_rows.choose_expert_rows_kernel`` does (the Pallas kernel on GPUs; off elsewhere, so the
+CPU runs the sorted path).
 
 Expert parallelism (``mesh`` given, ``parallel`` splits ``w1``/``w3``/``w2`` over the experts):
 the router runs replicated, so every device picks the same experts; under ``jax.shard_map`` each
@@ -51,6 +58,7 @@ from jax.sharding import Mesh, PartitionSpec
 from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.expert_rows import (
     ExpertRowsKernel,
+    Stack,
     apply_expert_rows,
     choose_expert_rows_kernel,
 )
@@ -60,9 +68,14 @@ from tokenspeed_jax.kernels.grouped_matmul import (
     apply_grouped_matmul,
     choose_grouped_kernel,
 )
+from tokenspeed_jax.kernels.routing import (
+    Routing,
+    RoutingKernel,
+    apply_routing,
+    check_routing,
+    choose_routing_kernel,
+)
 from tokenspeed_jax.models.layers import linear, normal_param
-
-ROUTER_EPS = 1e-20  # added to the renormalisation denominator, as in the reference router
 
 
 class SwiGLU(nnx.Module):
@@ -116,17 +129,45 @@ def routed_through_groups(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
 
 
+def _pairs_through_rows(x: jax.Array, experts: jax.Array, w1: jax.Array, w3: jax.Array,
+                       w2: jax.Array, shared: Stack | None, *, dtype: Any,
+                       kernel: ExpertRowsKernel) -> jax.Array:
+    """[T, n, D] in ``dtype``: the expert MLP of each token's ``n`` pairs ``experts [T, n]`` (ids
+    into the routed stack, then ``shared``'s) in one expert-rows call."""
+    num_tokens, per_token = experts.shape
+    token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), per_token)
+    stacks = ((w1, w3, w2),) if shared is None else ((w1, w3, w2), shared)
+    w1, w3, w2, *shared = (w.astype(dtype) for stack in stacks for w in stack)
+    out = apply_expert_rows(x.astype(dtype), token, experts.reshape(-1), w1, w3, w2,
+                            tuple(shared) or None, kernel=kernel)
+    return out.reshape(num_tokens, per_token, -1)
+
+
+def _weighted_sum(weights: jax.Array, out: jax.Array) -> jax.Array:
+    """float32 [T, D]: each token's pair outputs ``out [T, k, D]`` times ``weights [T, k]``."""
+    return jnp.sum(weights[..., None] * out.astype(jnp.float32), axis=1)
+
+
 def routed_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
                         w3: jax.Array, w2: jax.Array, first: jax.Array | int, *, dtype: Any,
                         kernel: ExpertRowsKernel) -> jax.Array:
     """``routed_through_groups``'s result with the pairs in their (token, k) order, each through
     its own expert (``kernels/expert_rows.py``), then each token's weighted sum over its k."""
-    num_tokens, top_k = experts.shape
-    token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), top_k)
-    out = apply_expert_rows(x.astype(dtype), token, experts.reshape(-1) - first,
-                            *(w.astype(dtype) for w in (w1, w3, w2)), kernel=kernel)
-    out = out.astype(jnp.float32).reshape(num_tokens, top_k, -1)
-    return jnp.sum(weights[..., None] * out, axis=1)
+    out = _pairs_through_rows(x, experts - first, w1, w3, w2, None, dtype=dtype, kernel=kernel)
+    return _weighted_sum(weights, out)
+
+
+def experts_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
+                         w3: jax.Array, w2: jax.Array, shared: Stack, *, dtype: Any,
+                         kernel: ExpertRowsKernel) -> jax.Array:
+    """[T, D] in ``dtype``: the routed experts' weighted sum (``routed_through_rows``) plus the
+    one shared expert ``shared`` (its (w1, w3, w2) stacked [1, D, F] / [1, F, D]) in the same
+    expert-rows call, the shared expert one more pair of each token; the combination rounds
+    as ``KimiMoE``'s does with the shared experts apart."""
+    shared_id = jnp.full((experts.shape[0], 1), w1.shape[0], experts.dtype)
+    out = _pairs_through_rows(x, jnp.concatenate([experts, shared_id], axis=1), w1, w3, w2,
+                              shared, dtype=dtype, kernel=kernel)
+    return _weighted_sum(weights, out[:, :-1]).astype(dtype) + out[:, -1]
 
 
 NO_EXPERT = -1  # an expert id no device holds: the pair is computed by neither path
@@ -152,15 +193,10 @@ class KimiMoE(nnx.Module):
         rngs: nnx.Rngs,
         grouped_kernel: GroupedMatmulKernel | None = None,
         expert_rows_kernel: ExpertRowsKernel | None = None,
+        routing_kernel: RoutingKernel | None = None,
     ) -> None:
-        if num_experts % num_groups:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of "
-                             f"num_expert_group={num_groups}")
-        if not 1 <= topk_groups <= num_groups:
-            raise ValueError(f"topk_group={topk_groups} must be in [1, {num_groups}]")
-        if top_k > (num_experts // num_groups) * topk_groups:
-            raise ValueError(f"num_experts_per_token={top_k} exceeds the experts of "
-                             f"{topk_groups} group(s) of {num_experts // num_groups}")
+        self.routing = Routing(top_k, num_groups, topk_groups, renormalize, scaling)
+        check_routing(num_experts, self.routing)
         self.gate = normal_param(rngs, (hidden, num_experts), jnp.float32)
         self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
         self.w1 = normal_param(rngs, (num_experts, hidden, intermediate), param_dtype)
@@ -169,36 +205,25 @@ class KimiMoE(nnx.Module):
         self.shared_experts = SwiGLU(hidden, intermediate * num_shared, dtype=dtype,
                                      param_dtype=param_dtype, rngs=rngs)
         self.num_experts = num_experts
-        self.top_k = top_k
-        self.num_groups = num_groups
-        self.topk_groups = topk_groups
-        self.renormalize = renormalize
-        self.scaling = scaling
         self.dtype = dtype
         self.grouped_kernel = grouped_kernel or choose_grouped_kernel(
             sizes=(hidden, intermediate), dtype=dtype)
         self.expert_rows_kernel = expert_rows_kernel or choose_expert_rows_kernel(
             hidden=hidden, intermediate=intermediate, dtype=dtype)
+        self.routing_kernel = routing_kernel or choose_routing_kernel(
+            hidden=hidden, num_experts=num_experts, routing=self.routing)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (expert ids int32 [T, k], float32 weights [T, k])."""
-        logits = jnp.einsum("TD,DE->TE", x.astype(jnp.float32), self.gate[...],
-                            precision=jax.lax.Precision.HIGHEST)
-        scores = jax.nn.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias[...]
-        if self.num_groups > 1:
-            per_group = choice.reshape(choice.shape[0], self.num_groups, -1)
-            group_rank = jnp.sum(jax.lax.top_k(per_group, 2)[0], axis=-1)
-            _, best_groups = jax.lax.top_k(group_rank, self.topk_groups)
-            keep = jnp.zeros(group_rank.shape, bool).at[
-                jnp.arange(group_rank.shape[0])[:, None], best_groups].set(True)
-            keep = jnp.repeat(keep, self.num_experts // self.num_groups, axis=-1)
-            choice = jnp.where(keep, choice, -jnp.inf)
-        _, experts = jax.lax.top_k(choice, self.top_k)
-        weights = jnp.take_along_axis(scores, experts, axis=-1)
-        if self.renormalize:
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + ROUTER_EPS)
-        return experts.astype(jnp.int32), weights * self.scaling
+        return apply_routing(x, self.gate[...], self.e_score_correction_bias[...],
+                             routing=self.routing, kernel=self.routing_kernel)
+
+    def _shared_rides_rows(self, num_pairs: int) -> bool:
+        """Whether the shared expert runs as one more pair of each token in the expert-rows
+        call of ``num_pairs`` routed pairs: when that path takes them and there is one shared
+        expert of the routed experts' size."""
+        return (self.expert_rows_kernel.takes(num_pairs)
+                and self.shared_experts.down_proj.shape[0] == self.w2.shape[1])
 
     def _routed(self, x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
                 w3: jax.Array, w2: jax.Array, first: jax.Array | int) -> jax.Array:
@@ -220,6 +245,12 @@ class KimiMoE(nnx.Module):
         if live is not None:
             experts = jnp.where(live.reshape(-1, 1), experts, NO_EXPERT)
         w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
+        if mesh is None and self._shared_rides_rows(experts.size):
+            mlp = self.shared_experts
+            shared = tuple(w[...][None] for w in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            return experts_through_rows(x, experts, weights, w1, w3, w2, shared,
+                                        dtype=self.dtype,
+                                        kernel=self.expert_rows_kernel).reshape(shape)
         if mesh is None:
             routed = self._routed(x, experts, weights, w1, w3, w2, 0)
         else:

@@ -1,0 +1,69 @@
+"""The MoE's decode-sized kernels compiled for the GPU (Triton) at the shapes of Kimi-Linear
+(hidden 2304, 256 experts of 1024, top-8, one group) and DeepSeek-V3 (hidden 7168, 256 experts
+of 2048, top-8 in 4 of 8 groups) with their default knobs, against their plain-JAX references
+(which test_routing.py and test_expert_rows.py check by hand on the CPU): the routing kernel
+and the expert-rows kernel with the shared expert as a second stack. What interpret mode cannot
+show: that the kernels lower, and that the compiled arithmetic matches.
+
+Skipped without a GPU; on a GPU machine: ``pytest -m gpu tests/test_moe_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tokenspeed_jax.kernels.expert_rows import expert_rows_mlp, expert_rows_mlp_reference
+from tokenspeed_jax.kernels.routing import Routing, route_pallas, route_reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")]
+
+SHAPES = {  # hidden, expert width, routing
+    "kimi_linear": (2304, 1024, Routing(top_k=8, scaling=2.446)),
+    "deepseek_v3": (7168, 2048, Routing(top_k=8, num_groups=8, topk_groups=4, scaling=2.5)),
+}
+NUM_EXPERTS = 256
+ROUTED_STACK = 24  # experts made for the expert-rows check: the kernel's cost is per pair
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPES.keys())
+def test_routing_kernel_matches_reference(shape, num_tokens):
+    hidden, _, routing = SHAPES[shape]
+    rng = np.random.default_rng(num_tokens)
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((hidden, NUM_EXPERTS)) / hidden ** 0.5, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(NUM_EXPERTS) / 10, jnp.float32)
+    experts, weights = route_pallas(x, gate, bias, routing=routing, interpret=False)
+    want_experts, want_weights = route_reference(x, gate, bias, routing=routing)
+    np.testing.assert_array_equal(np.asarray(experts), np.asarray(want_experts))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPES.keys())
+def test_expert_rows_with_the_shared_expert_matches_reference(shape):
+    """Two tokens' 8 routed pairs each, one padding pair (-1) and the shared expert (id
+    ``ROUTED_STACK``) of each token, bf16."""
+    hidden, width, _ = SHAPES[shape]
+    rng = np.random.default_rng(0)
+
+    def stack(count, rows, cols):
+        return jnp.asarray(rng.standard_normal((count, rows, cols)) / rows ** 0.5, jnp.bfloat16)
+
+    w1, w3, w2 = stack(ROUTED_STACK, hidden, width), stack(ROUTED_STACK, hidden, width), stack(
+        ROUTED_STACK, width, hidden)
+    shared = (stack(1, hidden, width), stack(1, hidden, width), stack(1, width, hidden))
+    x = jnp.asarray(rng.standard_normal((2, hidden)), jnp.bfloat16)
+    routed = rng.choice(ROUTED_STACK, size=(2, 8), replace=False)
+    expert = np.concatenate([routed, [[ROUTED_STACK]] * 2], axis=1).reshape(-1)
+    expert[3] = -1
+    token = np.repeat(np.arange(2), 9)
+    args = (x, jnp.asarray(token, jnp.int32), jnp.asarray(expert, jnp.int32), w1, w3, w2, shared)
+    out = np.asarray(expert_rows_mlp(*args, interpret=False), np.float32)
+    want = np.asarray(expert_rows_mlp_reference(*args), np.float32)
+    np.testing.assert_allclose(out, want, rtol=3e-2, atol=3e-2)
+    assert not out[3].any() and np.all(out[[8, 17]].any(axis=1))  # the shared pairs
