@@ -2,10 +2,10 @@
 weights in place: no sort by expert, no weight copy. The MoE's decode-sized path.
 
 Contract: ``x [T, D]``, ``token i32[P]``, ``expert i32[P]``, ``w1, w3 [E, D, F]``,
-``w2 [E, F, D]``, all floats of one dtype -> ``[P, D]`` in that dtype: row ``p`` is the SwiGLU expert MLP
-``w2[e] (silu(x[t] @ w1[e]) * (x[t] @ w3[e]))`` with ``t = token[p]``, ``e = expert[p]``. An
-optional second stack ``shared`` (w1, w3, w2 of ``E_s`` more experts: the MoE's shared expert)
-continues the ids: ``E .. E + E_s - 1`` index it. Invariants:
+``w2 [E, F, D]``, all floats of one dtype -> ``[P, D]`` in that dtype: row ``p`` is the SwiGLU
+expert MLP ``w2[e] (silu(x[t] @ w1[e]) * (x[t] @ w3[e]))`` with ``t = token[p]``,
+``e = expert[p]``. An optional second stack ``shared`` (w1, w3, w2 of ``E_s`` more experts: the
+MoE's shared expert) continues the ids: ``E .. E + E_s - 1`` index it. Invariants:
 
 * A pair whose expert id is outside ``[0, E + E_s)`` (under expert parallelism, an expert of
   another device) gives a row of zeros; its programs read no weight. Token ids are data, not
