@@ -1,17 +1,9 @@
 """Kimi-Linear feed-forward blocks: the SwiGLU MLP and the sigmoid-routed mixture of experts.
 
-Routing (``KimiMoE.route``), per token, in float32:
-
-* scores = sigmoid(x @ gate); the choice adds ``e_score_correction_bias`` (it only picks experts,
-  it never weights them);
-* grouped top-k: experts split into ``num_expert_group`` groups, a group's rank is the sum of its
-  two best choices, only the best ``topk_group`` groups stay eligible; then the top
-  ``num_experts_per_token`` eligible experts;
-* weights are the chosen experts' plain scores, renormalised to sum to one when
-  ``moe_renormalize`` (+1e-20, as the reference does), then times ``routed_scaling_factor``.
-
-``kernels/routing.py`` holds the rule: a Pallas kernel for decode-sized token counts on GPUs
-(``routing_kernel``, by default ``routing.choose_routing_kernel``), plain JAX otherwise.
+Routing (``KimiMoE.route``): sigmoid scores of a float32 router, grouped top-k, weights from the
+plain scores; ``kernels/routing.py`` states the rule and holds it, a Pallas kernel for
+decode-sized token counts on GPUs (``routing_kernel``, by default
+``routing.choose_routing_kernel``), plain JAX otherwise.
 
 The routed experts take one of two paths, chosen statically by the call's (token, expert) pair
 count, tokens x top-k (a static shape under jit, as a decode step's batch bucket is):
@@ -134,12 +126,13 @@ def _pairs_through_rows(x: jax.Array, experts: jax.Array, w1: jax.Array, w3: jax
                        kernel: ExpertRowsKernel) -> jax.Array:
     """[T, n, D] in ``dtype``: the expert MLP of each token's ``n`` pairs ``experts [T, n]`` (ids
     into the routed stack, then ``shared``'s) in one expert-rows call."""
+    def cast(stack: Stack) -> Stack:
+        return tuple(w.astype(dtype) for w in stack)
+
     num_tokens, per_token = experts.shape
     token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), per_token)
-    stacks = ((w1, w3, w2),) if shared is None else ((w1, w3, w2), shared)
-    w1, w3, w2, *shared = (w.astype(dtype) for stack in stacks for w in stack)
-    out = apply_expert_rows(x.astype(dtype), token, experts.reshape(-1), w1, w3, w2,
-                            tuple(shared) or None, kernel=kernel)
+    out = apply_expert_rows(x.astype(dtype), token, experts.reshape(-1), *cast((w1, w3, w2)),
+                            None if shared is None else cast(shared), kernel=kernel)
     return out.reshape(num_tokens, per_token, -1)
 
 
