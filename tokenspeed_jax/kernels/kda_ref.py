@@ -90,6 +90,14 @@ def l2_normalize(x: jax.Array, eps: float = L2NORM_EPS) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def gated_rms_norm(o: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """KDA's output norm, per head in fp32: rmsnorm(o) over V * weight * sigmoid(gate);
+    o, gate [..., V], weight [V]."""
+    o32 = o.astype(jnp.float32)
+    normed = o32 * lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    return normed * weight.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
 def prepare_qkg(
     q: jax.Array,
     k: jax.Array,

@@ -15,8 +15,9 @@ segments with the same pieces and wiring are one executable. Prefill routes:
   the route a request too large for the buckets runs eagerly at its exact size.
 * ``"reference"`` (eager only): the ordinary route with the pure-JAX KDA reference.
 
-Decode runs every layer inside one step: the recurrent KDA kernel, and MLA attention with
-``mla_decode_step``, which also writes the step's latent rows.
+Decode runs every layer inside one step: KDA through the fused decode-step kernel on GPUs (the
+recurrent kernel between plain-JAX pieces elsewhere; ``KimiDeltaAttention.fuses_decode``), and
+MLA attention with ``mla_decode_step``, which also writes the step's latent rows.
 
 Plans are per (token bucket, request bucket): the KDA metadata (``cu_seqlens``, slots,
 checkpoint offsets and slots, the rows ``fresh_slots`` to reset) is sized by the request count,

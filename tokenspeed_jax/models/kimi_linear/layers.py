@@ -24,6 +24,11 @@ Invariants:
   ``"pallas"`` (the chunked prefill and recurrent decode kernels; traceable, used in every
   compiled plan) and ``"reference"`` (the pure-JAX reference of ``kernels.kda_ref``; it needs
   concrete, host-side metadata, so it runs in eager execution and in the plain forward only).
+* A decode step (one token per request) of at most ``StepKernel.max_requests`` requests, with
+  no mesh, runs everything after the projections as one Pallas call when the layer's
+  ``step_kernel`` is the Pallas one (``kernels.kda_decode_step``; chosen on GPUs): the conv,
+  gate, beta, recurrence, gated norm and both pools' rows. Elsewhere decode runs ``inputs``,
+  the recurrent kernel and ``outputs``, the route the kernel is checked against.
 * Weight layouts: ``{q,k,v}_proj [D, H, K]``, ``{q,k,v}_conv [H K, W]``, ``f_a_proj [D, K]``,
   ``f_b_proj [K, H, K]``, ``dt_bias [H, K]`` and ``A_log [H]`` (float32), ``b_proj [D, H]``,
   ``g_a_proj [D, K]``, ``g_b_proj [K, H, K]``, ``o_norm [K]``, ``o_proj [H, K, D]``.
@@ -44,7 +49,18 @@ from jax.sharding import Mesh, PartitionSpec
 from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.kda import chunk_kda_prefill
 from tokenspeed_jax.kernels.kda_decode import kda_decode
-from tokenspeed_jax.kernels.kda_ref import kda_gate, pool_layout, recurrent_kda_reference
+from tokenspeed_jax.kernels.kda_decode_step import (
+    StepKernel,
+    StepWeights,
+    choose_step_kernel,
+    kda_decode_step_pallas,
+)
+from tokenspeed_jax.kernels.kda_ref import (
+    gated_rms_norm,
+    kda_gate,
+    pool_layout,
+    recurrent_kda_reference,
+)
 from tokenspeed_jax.kernels.short_conv import short_conv_pool
 from tokenspeed_jax.models.layers import linear, normal_param
 
@@ -151,7 +167,8 @@ class KimiDeltaAttention(nnx.Module):
     """The KDA token mixer; see the module docstring for the computation and layouts."""
 
     def __init__(self, hidden: int, *, num_heads: int, head_dim: int, conv_size: int,
-                 norm_eps: float, dtype: Any, param_dtype: Any, rngs: nnx.Rngs) -> None:
+                 norm_eps: float, dtype: Any, param_dtype: Any, rngs: nnx.Rngs,
+                 step_kernel: StepKernel | None = None) -> None:
         h, k = num_heads, head_dim
         self.q_proj = normal_param(rngs, (hidden, h, k), param_dtype)
         self.k_proj = normal_param(rngs, (hidden, h, k), param_dtype)
@@ -171,10 +188,20 @@ class KimiDeltaAttention(nnx.Module):
         self.num_heads, self.head_dim, self.conv_size = h, k, conv_size
         self.norm_eps = norm_eps
         self.dtype = dtype
+        self.step_kernel = step_kernel or choose_step_kernel(head_dim=k, rank=k)
 
     @property
     def conv_dim(self) -> int:
         return 3 * self.num_heads * self.head_dim
+
+    def _projections(self, x: jax.Array) -> tuple[list, tuple]:
+        """Normed hidden [T, D] -> ([q, k, v] projections [T, H, K], (f_low [T, K], gate_low
+        [T, K], beta logits [T, H]))."""
+        qkv = [linear("TD,DHK->THK", x, getattr(self, f"{n}_proj"), self.dtype) for n in "qkv"]
+        low = (linear("TD,DK->TK", x, self.f_a_proj, self.dtype),
+               linear("TD,DK->TK", x, self.g_a_proj, self.dtype),
+               linear("TD,DH->TH", x, self.b_proj, self.dtype))
+        return qkv, low
 
     def inputs(self, x: jax.Array, conv_pool: jax.Array, meta: KdaMeta, *,
                decode: bool = False) -> tuple:
@@ -182,9 +209,9 @@ class KimiDeltaAttention(nnx.Module):
         updated conv pool). ``decode`` (one token per request) stores no conv checkpoint: a
         checkpoint needs a whole chunk of the request's tokens, so a decode step has none."""
         h, dim, tokens = self.num_heads, self.head_dim, x.shape[0]
+        qkv, (f, gate_low, beta_logits) = self._projections(x)
         # channels head-major [H, 3, K] (module invariants)
-        mixed = jnp.stack([linear("TD,DHK->THK", x, getattr(self, f"{n}_proj"), self.dtype)
-                           for n in "qkv"], axis=2).reshape(tokens, 3 * h * dim)
+        mixed = jnp.stack(qkv, axis=2).reshape(tokens, 3 * h * dim)
         weight = jnp.stack([getattr(self, f"{n}_conv")[...].reshape(h, dim, self.conv_size)
                             for n in "qkv"], axis=1).reshape(3 * h * dim, self.conv_size)
         conv_out, conv_pool = short_conv_pool(
@@ -194,25 +221,52 @@ class KimiDeltaAttention(nnx.Module):
             conv_pool = conv_checkpoint(mixed, conv_pool, meta)
         conv_out = conv_out.reshape(tokens, h, 3, dim)
         q, k, v = (conv_out[:, :, i] for i in range(3))
-        f = linear("TD,DK->TK", x, self.f_a_proj, self.dtype)
         g = kda_gate(linear("TK,KHJ->THJ", f, self.f_b_proj, self.dtype), self.A_log[...],
                      self.dt_bias[...])
-        beta = jax.nn.sigmoid(linear("TD,DH->TH", x, self.b_proj, self.dtype))
-        gate_low = linear("TD,DK->TK", x, self.g_a_proj, self.dtype)
+        beta = jax.nn.sigmoid(beta_logits)
         gate = linear("TK,KHJ->THJ", gate_low, self.g_b_proj, self.dtype)
         return q, k, v, g, beta, gate, conv_pool
 
+    def step_weights(self) -> StepWeights:
+        """The weights ``kda_decode_step`` reads."""
+        return StepWeights(*(getattr(self, name)[...] for name in (
+            "q_conv", "k_conv", "v_conv", "f_b_proj", "g_b_proj", "A_log", "dt_bias", "o_norm")))
+
+    def decode_step(self, x: jax.Array, conv_pool: jax.Array, state_pool: jax.Array,
+                    slots: jax.Array) -> tuple:
+        """A decode step through the fused kernel (``step_kernel``): normed hidden [N, D], one
+        token per request -> (out [N, D], conv pool, state pool)."""
+        qkv, (f, gate_low, beta_logits) = self._projections(x)
+        tokens = x.shape[0]
+        # the three products side by side, [q | k | v] per token: the layout of XLA's merged
+        # product, so no copy is made
+        mixed = jnp.concatenate([p.reshape(tokens, -1) for p in qkv], axis=1).reshape(
+            tokens, 3, self.num_heads, self.head_dim)
+        gated, conv_pool, state_pool = kda_decode_step_pallas(
+            mixed, f, gate_low, beta_logits, self.step_weights(), conv_pool,
+            state_pool, jnp.asarray(slots, jnp.int32), eps=self.norm_eps,
+            num_warps=self.step_kernel.num_warps,
+            gates_in_kernel=self.step_kernel.gates_in_kernel,
+            interpret=self.step_kernel.interpret)
+        return self._project_out(gated), conv_pool, state_pool
+
+    def fuses_decode(self, mesh: Mesh | None, requests: int) -> bool:
+        """Whether a decode step of ``requests`` requests takes ``decode_step``: the Pallas step
+        kernel was chosen and takes that many, and the heads are not split over a mesh."""
+        return self.step_kernel.takes(requests) and mesh is None
+
     def outputs(self, o: jax.Array, gate: jax.Array) -> jax.Array:
         """KDA output [T, H, V] and gate [T, H, K] -> [T, D] (gated per-head RMSNorm, o_proj)."""
-        o32 = o.astype(jnp.float32)
-        normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + self.norm_eps)
-        gated = normed * self.o_norm[...].astype(jnp.float32) * jax.nn.sigmoid(
-            gate.astype(jnp.float32))
+        return self._project_out(gated_rms_norm(o, gate, self.o_norm[...], self.norm_eps))
+
+    def _project_out(self, gated: jax.Array) -> jax.Array:
         return linear("THK,HKD->TD", gated.astype(self.dtype), self.o_proj, self.dtype)
 
     def __call__(self, x: jax.Array, conv_pool: jax.Array, state_pool: jax.Array, meta: KdaMeta,
                  *, impl: KdaImpl, decode: bool = False, mesh: Mesh | None = None) -> tuple:
         """The whole mixer: (out [T, D], conv pool, state pool)."""
+        if decode and impl == "pallas" and self.fuses_decode(mesh, x.shape[0]):
+            return self.decode_step(x, conv_pool, state_pool, meta.slots)
         q, k, v, g, beta, gate, conv_pool = self.inputs(x, conv_pool, meta, decode=decode)
         o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
                                  mesh=mesh)

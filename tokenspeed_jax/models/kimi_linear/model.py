@@ -52,7 +52,6 @@ from tokenspeed_jax.models.kimi_linear.layers import (
     KdaImpl,
     KdaMeta,
     KimiDeltaAttention,
-    kda_core,
 )
 from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm
 from tokenspeed_jax.models.mla import (
@@ -264,12 +263,12 @@ class KimiDecoderLayer(nnx.Module):
                   mesh: Mesh | None = None, live: jax.Array | None = None) -> tuple:
         """The whole KDA layer: (hidden, conv pool, state pool). ``mesh``: the weights are split
         over it (``parallel``); the Pallas kernels and the experts run per shard. ``live``
-        [T]: the real tokens (``moe.KimiMoE``)."""
-        q, k, v, g, beta, gate, conv_pool = self.kda_inputs(hidden, conv_pool, meta,
-                                                            decode=decode)
-        o, state_pool = kda_core(q, k, v, g, beta, state_pool, meta, impl=impl, decode=decode,
-                                 mesh=mesh)
-        return self.kda_outputs(hidden, o, gate, mesh=mesh, live=live), conv_pool, state_pool
+        [T]: the real tokens (``moe.KimiMoE``). A decode step may take the mixer's fused
+        kernel (``KimiDeltaAttention.fuses_decode``)."""
+        mixed, conv_pool, state_pool = self.self_attn(
+            self.input_layernorm(hidden), conv_pool, state_pool, meta, impl=impl, decode=decode,
+            mesh=mesh)
+        return self._feed_forward(hidden, mixed, mesh, live), conv_pool, state_pool
 
     def mla_inputs(self, hidden: jax.Array, positions: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array]:
