@@ -27,6 +27,7 @@ D = 96
 BLOCKS = RoutingBlocks(block_k=16)  # 6 partial sums: added in parts of 4 and 2
 RULES = {  # (experts, rule): no groups, groups, a k that is not a power of 2, DeepSeek-V3's
     "flat": (16, Routing(top_k=4, renormalize=True, scaling=2.5)),
+    "flat_k3": (16, Routing(top_k=3, renormalize=True)),  # a slot past k in the renormalized sum
     "groups": (32, Routing(top_k=4, num_groups=4, topk_groups=2, renormalize=True)),
     "k3_plain": (8, Routing(top_k=3, num_groups=2, topk_groups=2, renormalize=False,
                             scaling=1.5)),
