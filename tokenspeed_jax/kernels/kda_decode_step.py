@@ -60,7 +60,7 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
     check_pallas_or_reference,
     on_gpu,
 )
-from tokenspeed_jax.kernels.short_conv import short_conv_pool
+from tokenspeed_jax.kernels.short_conv import head_major_weight, short_conv_pool
 
 __all__ = ["StepKernel", "StepWeights", "choose_step_kernel", "kda_decode_step_pallas",
            "kda_decode_step_reference", "step_problem"]
@@ -261,13 +261,12 @@ def kda_decode_step_reference(mixed, f_low, gate_low, beta_logits, weights: Step
                               conv_pool, state_pool, slots, *, eps: float,
                               scale: float | None = None) -> tuple:
     """The step in plain JAX (module docstring); returns (out, conv pool, state pool)."""
-    n, h, k, _, width = _check(mixed, f_low, gate_low, beta_logits, weights, conv_pool,
-                               state_pool, slots)
+    n, h, k, _, _ = _check(mixed, f_low, gate_low, beta_logits, weights, conv_pool, state_pool,
+                           slots)
     dtype = mixed.dtype
     slots = slots.astype(jnp.int32)
     head_major = jnp.swapaxes(mixed, 1, 2).reshape(n, 3 * h * k)
-    conv_weight = jnp.stack([getattr(weights, f"{c}_conv").reshape(h, k, width) for c in "qkv"],
-                            axis=1).reshape(3 * h * k, width)
+    conv_weight = head_major_weight([getattr(weights, f"{c}_conv") for c in "qkv"], h)
     conv_out, conv_pool = short_conv_pool(head_major, conv_weight, conv_pool, slots,
                                           jnp.arange(n + 1, dtype=jnp.int32), activation="silu")
     q, k_, v = (conv_out.reshape(n, h, 3, k)[:, :, i] for i in range(3))

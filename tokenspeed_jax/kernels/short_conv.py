@@ -20,10 +20,19 @@ import jax.numpy as jnp
 
 from tokenspeed_jax.kernels.kernel_math import count_at_most
 
-__all__ = ["short_conv", "short_conv_pool"]
+__all__ = ["head_major_weight", "short_conv", "short_conv_pool"]
 
 ACTIVATIONS = {"silu": jax.nn.silu, None: lambda x: x}
 
+
+
+def head_major_weight(weights, num_heads: int) -> jax.Array:
+    """Per-channel weights ``[H K, W]`` of several projections (KDA's q, k, v) as one weight
+    over their channels interleaved by head, ``[H, len(weights), K]`` flattened: the layout in
+    which splitting the channels into equal parts splits them by head."""
+    width = weights[0].shape[-1]
+    stacked = jnp.stack([w.reshape(num_heads, -1, width) for w in weights], axis=1)
+    return stacked.reshape(-1, width)
 
 def short_conv(
     x: jax.Array,

@@ -61,7 +61,7 @@ from tokenspeed_jax.kernels.kda_ref import (
     pool_layout,
     recurrent_kda_reference,
 )
-from tokenspeed_jax.kernels.short_conv import short_conv_pool
+from tokenspeed_jax.kernels.short_conv import head_major_weight, short_conv_pool
 from tokenspeed_jax.models.layers import linear, normal_param
 
 KdaImpl = Literal["pallas", "reference"]
@@ -212,8 +212,7 @@ class KimiDeltaAttention(nnx.Module):
         qkv, (f, gate_low, beta_logits) = self._projections(x)
         # channels head-major [H, 3, K] (module invariants)
         mixed = jnp.stack(qkv, axis=2).reshape(tokens, 3 * h * dim)
-        weight = jnp.stack([getattr(self, f"{n}_conv")[...].reshape(h, dim, self.conv_size)
-                            for n in "qkv"], axis=1).reshape(3 * h * dim, self.conv_size)
+        weight = head_major_weight([getattr(self, f"{n}_conv")[...] for n in "qkv"], h)
         conv_out, conv_pool = short_conv_pool(
             mixed, weight, conv_pool, jnp.asarray(meta.slots, jnp.int32),
             jnp.asarray(meta.cu_seqlens, jnp.int32), activation="silu")
