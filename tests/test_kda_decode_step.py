@@ -39,7 +39,7 @@ def _operands(dtype, state_dtype, seed=0):
         v_conv=normal((H * K, W), 0.5), f_b_proj=normal((R, H, K), 0.5),
         g_b_proj=normal((R, H, K), 0.5), A_log=normal((H,), 0.5, jnp.float32),
         dt_bias=normal((H, K), 0.5, jnp.float32), o_norm=normal((K,), 1.0))
-    step = (normal((n, 3, H, K), 2.0), normal((n, R)), normal((n, R)), normal((n, H)))
+    step = (normal((n, 3, H, K), 2.0), normal((n, 2 * R + H)))  # mixed, [f | gate | beta]
     conv_pool = normal((POOL, W - 1, 3 * H * K))
     state_pool = normal((POOL, H, K, K), 1.0, state_dtype)
     return step, weights, conv_pool, state_pool
@@ -60,7 +60,8 @@ def _sigmoid(x):
 
 def _loop_step(step, weights, conv_pool, state_pool):
     """The contract, request by request and head by head, in float64 numpy (no roundings)."""
-    mixed, f_low, gate_low, beta_logits = (np.asarray(x, np.float64) for x in step)
+    mixed, low = (np.asarray(x, np.float64) for x in step)
+    f_low, gate_low, beta_logits = low[:, :R], low[:, R:2 * R], low[:, 2 * R:]
     w = {c: np.asarray(getattr(weights, f"{c}_conv"), np.float64).reshape(H, K, W) for c in "qkv"}
     fb, gb = (np.asarray(x, np.float64) for x in (weights.f_b_proj, weights.g_b_proj))
     a_log, dt_bias, o_norm = (np.asarray(x, np.float64)
@@ -102,16 +103,14 @@ def test_reference_matches_a_float64_loop_of_the_contract():
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("gates_in_kernel", [True, False], ids=["gates-in", "gates-out"])
 @pytest.mark.parametrize("dtype, state_dtype, tol", [
     (jnp.float32, jnp.float32, 1e-5),
     (jnp.bfloat16, jnp.float32, 3e-2),
     (jnp.bfloat16, jnp.bfloat16, 3e-2),
 ])
-def test_kernel_matches_reference(dtype, state_dtype, tol, gates_in_kernel):
+def test_kernel_matches_reference(dtype, state_dtype, tol):
     want = _run(kda_decode_step_reference, dtype, state_dtype)
-    got = _run(kda_decode_step_pallas, dtype, state_dtype, interpret=True,
-               gates_in_kernel=gates_in_kernel)
+    got = _run(kda_decode_step_pallas, dtype, state_dtype, interpret=True)
     names = ("out", "conv pool", "state pool")
     for name, g, w in zip(names, got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
@@ -186,6 +185,9 @@ def test_bad_operands_are_refused():
                                   slots, eps=EPS)
     odd = _operands(jnp.float32, jnp.float32)
     wide = dataclasses.replace(odd[1], f_b_proj=jnp.zeros((6, H, K)), g_b_proj=jnp.zeros((6, H, K)))
-    low = (odd[0][0], jnp.zeros((3, 6)), jnp.zeros((3, 6)), odd[0][3])
     with pytest.raises(ValueError, match="powers of 2"):
-        kda_decode_step_pallas(*low, wide, odd[2], odd[3], slots, eps=EPS, interpret=True)
+        kda_decode_step_pallas(odd[0][0], jnp.zeros((3, 12 + H)), wide, odd[2], odd[3], slots,
+                               eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match="low"):
+        kda_decode_step_reference(step[0], step[1][:, :-1], weights, conv_pool, state_pool,
+                                  slots, eps=EPS)

@@ -37,8 +37,7 @@ def _operands(requests, state_dtype):
         v_conv=normal((H * K, W), 0.5), f_b_proj=normal((K, H, K), K ** -0.5),
         g_b_proj=normal((K, H, K), K ** -0.5), A_log=normal((H,), 0.5, jnp.float32),
         dt_bias=normal((H, K), 0.5, jnp.float32), o_norm=normal((K,), 1.0))
-    step = (normal((requests, 3, H, K), 1.0), normal((requests, K), 1.0),
-            normal((requests, K), 1.0), normal((requests, H), 1.0))
+    step = (normal((requests, 3, H, K), 1.0), normal((requests, 2 * K + H), 1.0))
     slots = rng.permutation(POOL)[:requests].astype(np.int32)
     slots[-1] = -1  # the bucket's last row is padding
     pools = (normal((POOL, W - 1, 3 * H * K), 1.0), normal((POOL, H, K, K), 0.3, state_dtype))

@@ -2,11 +2,11 @@
 
 Contract (one token per request, N requests; ``dtype`` is the activations' dtype):
 
-* in: ``mixed [N, 3, H, K]`` (the q, k, v projections, before the conv), ``f_low [N, R]`` and
-  ``gate_low [N, R]`` (the low-rank halves of the decay and output gates), ``beta_logits
-  [N, H]``, the layer's ``StepWeights``, the conv pool ``[P, W - 1, 3 H K]`` (channels
-  head-major ``[H, 3, K]``, states oldest first), the recurrent pool ``[P, H, V, K]`` (fp32 or
-  bf16, transposed states) and ``slots [N]``;
+* in: ``mixed [N, 3, H, K]`` (the q, k, v projections, before the conv), ``low [N, 2 R + H]``
+  (side by side: ``f_low`` and ``gate_low``, the low-rank halves of the decay and output gates,
+  then ``beta_logits``; one product over the three weights), the layer's ``StepWeights``, the
+  conv pool ``[P, W - 1, 3 H K]`` (channels head-major ``[H, 3, K]``, states oldest first), the
+  recurrent pool ``[P, H, V, K]`` (fp32 or bf16, transposed states) and ``slots [N]``;
 * out: the gated, normed KDA output ``[N, H, V]`` in ``dtype`` (what the layer's ``o_proj``
   takes), and both pools with each live request's row advanced by its token.
 
@@ -22,7 +22,8 @@ Two implementations, chosen by a ``StepKernel``:
   ``[V, K]`` and its conv channels, so it reads the old conv state and writes the new one with
   no other program touching them, and it can norm the output over V. Where the unfused step
   runs ten or so XLA kernels around the recurrent one (the conv, the q/k/v split, two low-rank
-  products, the gate and beta, the gated norm, the conv-state scatter), this is one launch.
+  products, the gate and beta, the gated norm, the conv-state scatter), this is one launch. It
+  reads ``mixed`` and ``low`` whole, so the products that make them need no split into copies.
 * ``kda_decode_step_reference``: plain JAX from the pieces the prefill uses (``short_conv_pool``,
   ``kda_gate``, ``recurrent_kda_reference``, ``gated_rms_norm``).
 
@@ -89,13 +90,11 @@ MAX_REQUESTS = 32
 @dataclasses.dataclass(frozen=True)
 class StepKernel:
     """Which implementation runs (``PALLAS`` or ``REFERENCE``) and for up to how many requests
-    a step; the kernel's warps; whether it runs the gates' low-rank products itself; and
-    ``interpret`` (None: interpret on the CPU)."""
+    a step; the kernel's warps; and ``interpret`` (None: interpret on the CPU)."""
 
     backend: str = REFERENCE
     max_requests: int = MAX_REQUESTS
     num_warps: int = 4
-    gates_in_kernel: bool = True
     interpret: bool | None = None
 
     def __post_init__(self) -> None:
@@ -125,17 +124,16 @@ def choose_step_kernel(*, head_dim: int, rank: int, platform: str | None = None)
     return StepKernel(PALLAS)
 
 
-def _check(mixed, f_low, gate_low, beta_logits, weights: StepWeights, conv_pool, state_pool,
+def _check(mixed, low, weights: StepWeights, conv_pool, state_pool,
            slots) -> tuple[int, ...]:
     """Checks the operands (module contract); returns (N, H, K, R, W)."""
     if mixed.ndim != 4 or mixed.shape[1] != 3:
         raise ValueError(f"mixed must be [N, 3, H, K], got {mixed.shape}")
     n, _, h, k = mixed.shape
-    rank = f_low.shape[-1]
+    rank = weights.f_b_proj.shape[0]
     width = weights.q_conv.shape[-1]
     expected = {
-        "f_low": (f_low.shape, (n, rank)), "gate_low": (gate_low.shape, (n, rank)),
-        "beta_logits": (beta_logits.shape, (n, h)), "slots": (slots.shape, (n,)),
+        "low": (low.shape, (n, 2 * rank + h)), "slots": (slots.shape, (n,)),
         "f_b_proj": (weights.f_b_proj.shape, (rank, h, k)),
         "g_b_proj": (weights.g_b_proj.shape, (rank, h, k)),
         "A_log": (weights.A_log.shape, (h,)), "dt_bias": (weights.dt_bias.shape, (h, k)),
@@ -157,10 +155,9 @@ def _check(mixed, f_low, gate_low, beta_logits, weights: StepWeights, conv_pool,
     return n, h, k, rank, width
 
 
-def _step_kernel(slots_ref, mixed_ref, f_ref, gl_ref, beta_ref, qw_ref, kw_ref, vw_ref, fb_ref,
-                 gb_ref, alog_ref, dtb_ref, onorm_ref, conv_ref, pool_ref,
-                 out_ref, conv_out_ref, pool_out_ref, *, width: int, scale: float, eps: float,
-                 gates_in_kernel: bool):
+def _step_kernel(slots_ref, mixed_ref, low_ref, qw_ref, kw_ref, vw_ref, fb_ref, gb_ref, alog_ref,
+                 dtb_ref, onorm_ref, conv_ref, pool_ref, out_ref, conv_out_ref, pool_out_ref, *,
+                 width: int, scale: float, eps: float):
     f32, dtype = jnp.float32, out_ref.dtype
     head, n = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[n]
@@ -184,14 +181,14 @@ def _step_kernel(slots_ref, mixed_ref, f_ref, gl_ref, beta_ref, qw_ref, kw_ref, 
     (q, q_state), (k, k_state), (v, v_state) = (
         conv(c, ref) for c, ref in enumerate((qw_ref, kw_ref, vw_ref)))
 
-    def low_rank(low_ref, up_ref):  # round(low [R] @ up[:, head, :] [R, K])
-        if not gates_in_kernel:  # low_ref holds the product [N, H, K]; up_ref is unused
-            return low_ref[n, head, :].astype(f32)
-        low = low_ref[n, :].astype(f32)
+    rank = fb_ref.shape[0]
+
+    def low_rank(first: int, up_ref):  # round(low [R] @ up[:, head, :] [R, K])
+        low = low_ref[n, pl.ds(first, rank)].astype(f32)
         return rounded(jnp.sum(low[:, None] * up_ref[:, head, :].astype(f32), axis=0))
 
-    g = -jnp.exp(alog_ref[head]) * softplus(low_rank(f_ref, fb_ref) + dtb_ref[head, :])
-    beta = rounded(jax.nn.sigmoid(beta_ref[n, head].astype(f32)))
+    g = -jnp.exp(alog_ref[head]) * softplus(low_rank(0, fb_ref) + dtb_ref[head, :])
+    beta = rounded(jax.nn.sigmoid(low_ref[n, 2 * rank + head].astype(f32)))
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
     k = k * lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
 
@@ -200,7 +197,7 @@ def _step_kernel(slots_ref, mixed_ref, f_ref, gl_ref, beta_ref, qw_ref, kw_ref, 
     error = beta * (v - jnp.sum(decayed * k[None, :], axis=1))
     o = rounded(scale * (jnp.sum(decayed * q[None, :], axis=1) + jnp.sum(q * k) * error))
     normed = o * lax.rsqrt(jnp.mean(o * o) + eps)
-    gate = jax.nn.sigmoid(low_rank(gl_ref, gb_ref))
+    gate = jax.nn.sigmoid(low_rank(rank, gb_ref))
     out_ref[n, head, :] = (normed * onorm_ref[...].astype(f32) * gate).astype(dtype)
 
     @pl.when(live)
@@ -212,28 +209,21 @@ def _step_kernel(slots_ref, mixed_ref, f_ref, gl_ref, beta_ref, qw_ref, kw_ref, 
                 conv_out_ref[row, i, head, channel, :] = value.astype(conv_out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "scale", "num_warps", "gates_in_kernel",
-                                             "interpret"),
+@functools.partial(jax.jit, static_argnames=("eps", "scale", "num_warps", "interpret"),
                    donate_argnames=("conv_pool", "state_pool"))
-def kda_decode_step_pallas(mixed, f_low, gate_low, beta_logits, weights: StepWeights, conv_pool,
-                           state_pool, slots, *, eps: float, scale: float | None = None,
-                           num_warps: int = 4, gates_in_kernel: bool = True,
+def kda_decode_step_pallas(mixed, low, weights: StepWeights, conv_pool, state_pool, slots, *,
+                           eps: float, scale: float | None = None, num_warps: int = 4,
                            interpret: bool | None = None) -> tuple:
-    """The step as one Pallas call (module docstring); returns (out, conv pool, state pool).
-    ``gates_in_kernel`` False runs the two low-rank products as XLA products before the call."""
-    n, h, k, rank, width = _check(mixed, f_low, gate_low, beta_logits, weights, conv_pool,
-                                  state_pool, slots)
+    """The step as one Pallas call (module docstring); returns (out, conv pool, state pool)."""
+    n, h, k, rank, width = _check(mixed, low, weights, conv_pool, state_pool, slots)
     problem = step_problem(head_dim=k, rank=rank)
     if problem is not None:
         raise ValueError(f"the KDA decode step kernel cannot run this shape: {problem}")
     pool_rows = conv_pool.shape[0]
-    kernel = functools.partial(_step_kernel, width=width, gates_in_kernel=gates_in_kernel,
+    kernel = functools.partial(_step_kernel, width=width,
                                scale=k**-0.5 if scale is None else float(scale), eps=float(eps))
-    if not gates_in_kernel:
-        f_low, gate_low = (_up_product(low, up, mixed.dtype) for low, up in (
-            (f_low, weights.f_b_proj), (gate_low, weights.g_b_proj)))
     conv_weights = [getattr(weights, f"{c}_conv").reshape(h, k, width) for c in "qkv"]
-    operands = (slots.astype(jnp.int32), mixed, f_low, gate_low, beta_logits, *conv_weights,
+    operands = (slots.astype(jnp.int32), mixed, low, *conv_weights,
                 weights.f_b_proj, weights.g_b_proj, weights.A_log.astype(jnp.float32),
                 weights.dt_bias.astype(jnp.float32), weights.o_norm,
                 conv_pool.reshape(pool_rows, width - 1, h, 3, k), state_pool)
@@ -257,12 +247,11 @@ def _up_product(low: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
                       preferred_element_type=jnp.float32).astype(dtype)
 
 
-def kda_decode_step_reference(mixed, f_low, gate_low, beta_logits, weights: StepWeights,
-                              conv_pool, state_pool, slots, *, eps: float,
-                              scale: float | None = None) -> tuple:
+def kda_decode_step_reference(mixed, low, weights: StepWeights, conv_pool, state_pool, slots, *,
+                              eps: float, scale: float | None = None) -> tuple:
     """The step in plain JAX (module docstring); returns (out, conv pool, state pool)."""
-    n, h, k, _, _ = _check(mixed, f_low, gate_low, beta_logits, weights, conv_pool, state_pool,
-                           slots)
+    n, h, k, rank, _ = _check(mixed, low, weights, conv_pool, state_pool, slots)
+    f_low, gate_low, beta_logits = jnp.split(low, [rank, 2 * rank], axis=1)
     dtype = mixed.dtype
     slots = slots.astype(jnp.int32)
     head_major = jnp.swapaxes(mixed, 1, 2).reshape(n, 3 * h * k)

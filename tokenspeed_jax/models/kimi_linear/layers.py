@@ -234,19 +234,24 @@ class KimiDeltaAttention(nnx.Module):
     def decode_step(self, x: jax.Array, conv_pool: jax.Array, state_pool: jax.Array,
                     slots: jax.Array) -> tuple:
         """A decode step through the fused kernel (``step_kernel``): normed hidden [N, D], one
-        token per request -> (out [N, D], conv pool, state pool)."""
-        qkv, (f, gate_low, beta_logits) = self._projections(x)
-        tokens = x.shape[0]
-        # the three products side by side, [q | k | v] per token: the layout of XLA's merged
-        # product, so no copy is made
-        mixed = jnp.concatenate([p.reshape(tokens, -1) for p in qkv], axis=1).reshape(
-            tokens, 3, self.num_heads, self.head_dim)
+        token per request -> (out [N, D], conv pool, state pool).
+
+        Two products feed the kernel, each read whole: ``x @ [q | k | v]`` (XLA reads the three
+        weights' concatenation inside its product, no copy) and ``x @ [f_a | g_a | b]`` (a copy
+        of 2 R + H columns a step). The second takes ``x`` through an optimization barrier: XLA
+        would otherwise merge the two products and copy their five weights side by side, every
+        step (58 MB a layer at Kimi-Linear's shape)."""
+        (tokens, hidden), h, k = x.shape, self.num_heads, self.head_dim
+        qkv_proj = jnp.concatenate(
+            [getattr(self, f"{n}_proj")[...].reshape(hidden, h * k) for n in "qkv"], axis=1)
+        mixed = linear("TD,DC->TC", x, qkv_proj, self.dtype).reshape(tokens, 3, h, k)
+        low_proj = jnp.concatenate([self.f_a_proj[...], self.g_a_proj[...], self.b_proj[...]],
+                                   axis=1)
+        low = linear("TD,DR->TR", jax.lax.optimization_barrier(x), low_proj, self.dtype)
         gated, conv_pool, state_pool = kda_decode_step_pallas(
-            mixed, f, gate_low, beta_logits, self.step_weights(), conv_pool,
-            state_pool, jnp.asarray(slots, jnp.int32), eps=self.norm_eps,
-            num_warps=self.step_kernel.num_warps,
-            gates_in_kernel=self.step_kernel.gates_in_kernel,
-            interpret=self.step_kernel.interpret)
+            mixed, low, self.step_weights(), conv_pool, state_pool,
+            jnp.asarray(slots, jnp.int32), eps=self.norm_eps,
+            num_warps=self.step_kernel.num_warps, interpret=self.step_kernel.interpret)
         return self._project_out(gated), conv_pool, state_pool
 
     def fuses_decode(self, mesh: Mesh | None, requests: int) -> bool:
