@@ -42,21 +42,21 @@ BLOCKS = {  # with 16-wide blocks the up projection has 2 steps of K, the down p
 DTYPES = [jnp.float32, jnp.bfloat16]
 
 
-def operands(dtype, num_pairs: int, seed: int = 0):
-    """x, token, expert, w1, w3, w2 for ``num_pairs`` pairs. From 3 pairs on the second repeats
-    the first's expert and the last has expert -1 (another device's); from 8 on the third has
-    expert E (past the stack) and the fourth repeats the first's token."""
+def operands(dtype, num_tokens: int, per_token: int = 2, seed: int = 0):
+    """x [T, D] and experts [num_tokens, per_token] (rows of x past num_tokens are not used by
+    any pair), w1, w3, w2. From 2 tokens on the second token's first expert repeats the first
+    token's and the last pair has expert -1 (another device's); from 4 tokens on the third
+    token's first expert is E (past the stack)."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((T, D)), dtype)
+    x = jnp.asarray(rng.standard_normal((num_tokens, D)), dtype)
     w1, w3 = (jnp.asarray(rng.standard_normal((E, D, F)) / np.sqrt(D), dtype) for _ in range(2))
     w2 = jnp.asarray(rng.standard_normal((E, F, D)) / np.sqrt(F), dtype)
-    token = rng.integers(0, T, num_pairs)
-    expert = rng.integers(0, E, num_pairs)
-    if num_pairs >= 3:
-        expert[1], expert[-1] = expert[0], -1
-    if num_pairs >= 8:
-        expert[2], token[3] = E, token[0]
-    return x, jnp.asarray(token, jnp.int32), jnp.asarray(expert, jnp.int32), w1, w3, w2
+    experts = rng.integers(0, E, (num_tokens, per_token))
+    if num_tokens >= 2:
+        experts[1, 0], experts[-1, -1] = experts[0, 0], -1
+    if num_tokens >= 4:
+        experts[2, 0] = E
+    return x, jnp.asarray(experts, jnp.int32), w1, w3, w2
 
 
 def assert_close(actual, expected, dtype):
@@ -65,67 +65,76 @@ def assert_close(actual, expected, dtype):
                                rtol=tolerance, atol=tolerance)
 
 
-def loop_reference(x, token, expert, w1, w3, w2, dtype) -> np.ndarray:
+def loop_reference(x, experts, w1, w3, w2, dtype, live=None) -> np.ndarray:
     """float64, pair by pair, rounding each projection and the activation to ``dtype`` as the
-    module's contract says; zeros for an expert outside the stack."""
+    module's contract says; zeros for an expert outside the stack or a row not live. Experts
+    at ids E, E + 1, ... of ``w1`` etc. past ``experts``' columns are shared: one more pair of
+    every token each."""
     def rounded(value):
         return np.asarray(jnp.asarray(value, jnp.float32).astype(dtype), np.float64)
 
     x, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, w1, w3, w2))
-    out = np.zeros((len(token), x.shape[1]))
-    for pair, (row, e) in enumerate(zip(np.asarray(token), np.asarray(expert))):
-        if 0 <= e < w1.shape[0]:
-            gate, up = rounded(x[row] @ w1[e]), rounded(x[row] @ w3[e])
-            out[pair] = rounded(rounded(gate / (1 + np.exp(-gate))) * up) @ w2[e]
+    experts = np.asarray(experts)
+    num_shared = w1.shape[0] - E
+    out = np.zeros((*experts.shape[:1], experts.shape[1] + num_shared, x.shape[1]))
+    for t, row in enumerate(experts):
+        routed = [e if live is None or live[t] else -1 for e in row]
+        for j, e in enumerate([*routed, *range(E, E + num_shared)]):
+            if 0 <= e < w1.shape[0] and (j >= len(row) or e < E):
+                gate, up = rounded(x[t] @ w1[e]), rounded(x[t] @ w3[e])
+                out[t, j] = rounded(rounded(gate / (1 + np.exp(-gate))) * up) @ w2[e]
     return out
 
 
 @pytest.mark.parametrize("blocks", BLOCKS.values(), ids=BLOCKS.keys())
-@pytest.mark.parametrize("num_pairs", [1, 3, 8, 64])
+@pytest.mark.parametrize("num_tokens, per_token", [(1, 1), (2, 2), (4, 2), (8, 8)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_kernel_matches_the_reference(dtype, num_pairs, blocks):
-    args = operands(dtype, num_pairs)
+def test_kernel_matches_the_reference(dtype, num_tokens, per_token, blocks):
+    args = operands(dtype, num_tokens, per_token)
     out = expert_rows_mlp(*args, blocks=blocks, interpret=True)
-    assert out.shape == (num_pairs, D) and out.dtype == dtype
+    assert out.shape == (num_tokens, per_token, D) and out.dtype == dtype
     assert_close(out, expert_rows_mlp_reference(*args), dtype)
-    outside = ~((args[2] >= 0) & (args[2] < E))
+    outside = ~((args[1] >= 0) & (args[1] < E))
     assert not np.any(np.asarray(out, np.float32)[np.asarray(outside)])
 
 
-def with_shared(args, num_shared: int = 2, seed: int = 5):
-    """``operands`` plus a shared stack of ``num_shared`` experts (ids E, E + 1, ...), the
-    pairs' ids redrawn over both stacks and past them."""
-    x, token, expert, w1, w3, w2 = args
+def with_shared(num_shared: int = 2, seed: int = 5):
+    """Float32 ``operands`` of 8 tokens with 3 routed experts each, plus a shared stack of
+    ``num_shared`` experts; some routed ids past the routed stack (not the shared one's)."""
+    x, experts, w1, w3, w2 = operands(jnp.float32, 8, 3, seed=seed)
     rng = np.random.default_rng(seed)
     shared = tuple(jnp.asarray(rng.standard_normal((num_shared, *w.shape[1:])) / 8, w.dtype)
                    for w in (w1, w3, w2))
-    expert = jnp.asarray(rng.integers(-1, E + num_shared + 1, expert.shape[0]), jnp.int32)
-    return (x, token, expert, w1, w3, w2), shared
+    experts = experts.at[5, 1].set(E + 1)  # not a shared pair: ids of the routed stack only
+    return (x, experts, w1, w3, w2), shared
 
 
 @pytest.mark.parametrize("blocks", BLOCKS.values(), ids=BLOCKS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_kernel_with_a_shared_stack_matches_the_reference(dtype, blocks):
-    args, shared = with_shared(operands(dtype, 64))
-    out = expert_rows_mlp(*args, shared, blocks=blocks, interpret=True)
-    assert_close(out, expert_rows_mlp_reference(*args, shared), dtype)
-    expert = np.asarray(args[2])
-    assert {-1, E, E + 1, E + 2} <= set(expert)  # the shared ids and both sides past the stacks
-    assert not np.any(np.asarray(out, np.float32)[(expert < 0) | (expert >= E + 2)])
-    assert np.all(np.any(np.asarray(out, np.float32)[expert == E] != 0, axis=1))
+def test_kernel_with_a_shared_stack_and_live_rows_matches_the_reference(dtype, blocks):
+    (x, experts, *weights), shared = with_shared()
+    x, weights, shared = x.astype(dtype), [w.astype(dtype) for w in weights], tuple(
+        w.astype(dtype) for w in shared)
+    live = jnp.asarray([True, True, False, True, True, True, False, True])
+    out = expert_rows_mlp(x, experts, *weights, shared, live, blocks=blocks, interpret=True)
+    assert out.shape == (8, 3 + 2, D)
+    assert_close(out, expert_rows_mlp_reference(x, experts, *weights, shared, live), dtype)
+    out = np.asarray(out, np.float32)
+    assert not out[[2, 6], :3].any() and not out[5, 1].any()  # rows not live; an id past E
+    assert np.all(out[:, 3:].any(axis=2))  # the shared pairs of every row, live or not
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_a_shared_stack_continues_the_ids_of_the_routed_one(dtype):
-    (x, token, expert, w1, w3, w2), shared = with_shared(operands(dtype, 16, seed=2))
+def test_reference_with_a_shared_stack_and_live_rows_matches_a_loop():
+    (x, experts, w1, w3, w2), shared = with_shared(seed=2)
+    live = np.array([True, False, True, True, True, True, True, False])
     whole = (jnp.concatenate([w, s]) for w, s in zip((w1, w3, w2), shared))
-    assert_close(expert_rows_mlp_reference(x, token, expert, w1, w3, w2, shared),
-                 loop_reference(x, token, expert, *whole, dtype), dtype)
+    assert_close(expert_rows_mlp_reference(x, experts, w1, w3, w2, shared, jnp.asarray(live)),
+                 loop_reference(x, experts, *whole, jnp.float32, live), jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_reference_matches_a_loop_over_the_pairs(dtype):
-    args = operands(dtype, 8, seed=1)
+    args = operands(dtype, 4, 3, seed=1)
     assert_close(expert_rows_mlp_reference(*args), loop_reference(*args, dtype), dtype)
 
 
@@ -138,15 +147,17 @@ def test_split_count_is_the_fewest_dividing_splits_that_fill_the_programs():
 
 
 def test_bad_operands_and_knobs_are_rejected():
-    x, token, expert, w1, w3, w2 = operands(jnp.float32, 3)
+    x, experts, w1, w3, w2 = operands(jnp.float32, 3)
     with pytest.raises(ValueError, match=r"w3 \(6, 32, 64\) and w2 \(6, 32, 64\) must be"):
-        expert_rows_mlp_reference(x, token, expert, w1, w3, w3)
+        expert_rows_mlp_reference(x, experts, w1, w3, w3)
     with pytest.raises(ValueError, match="one dtype"):
-        expert_rows_mlp_reference(x.astype(jnp.bfloat16), token, expert, w1, w3, w2)
-    with pytest.raises(ValueError, match="one .P. shape"):
-        expert_rows_mlp_reference(x, token, expert[:2], w1, w3, w2)
+        expert_rows_mlp_reference(x.astype(jnp.bfloat16), experts, w1, w3, w2)
+    with pytest.raises(ValueError, match=r"experts \(2, 2\) must be \[3, n\]"):
+        expert_rows_mlp_reference(x, experts[:2], w1, w3, w2)
+    with pytest.raises(ValueError, match=r"live \(2,\) must be \[3\]"):
+        expert_rows_mlp_reference(x, experts, w1, w3, w2, live=jnp.ones(2, bool))
     with pytest.raises(ValueError, match="hidden=32 and intermediate=64 must be multiples"):
-        expert_rows_mlp(x, token, expert, w1, w3, w2, blocks=ExpertRowsBlocks(64, 16),
+        expert_rows_mlp(x, experts, w1, w3, w2, blocks=ExpertRowsBlocks(64, 16),
                         interpret=True)
     with pytest.raises(ValueError, match="powers of 2"):
         ExpertRowsBlocks(48, 16)

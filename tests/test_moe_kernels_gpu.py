@@ -46,8 +46,8 @@ def test_routing_kernel_matches_reference(shape, num_tokens):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPES.keys())
 def test_expert_rows_with_the_shared_expert_matches_reference(shape):
-    """Two tokens' 8 routed pairs each, one padding pair (-1) and the shared expert (id
-    ``ROUTED_STACK``) of each token, bf16."""
+    """Three tokens' 8 routed experts each (one of them -1, the third token not live) and the
+    shared expert of each token, bf16."""
     hidden, width, _ = SHAPES[shape]
     rng = np.random.default_rng(0)
 
@@ -57,13 +57,13 @@ def test_expert_rows_with_the_shared_expert_matches_reference(shape):
     w1, w3, w2 = stack(ROUTED_STACK, hidden, width), stack(ROUTED_STACK, hidden, width), stack(
         ROUTED_STACK, width, hidden)
     shared = (stack(1, hidden, width), stack(1, hidden, width), stack(1, width, hidden))
-    x = jnp.asarray(rng.standard_normal((2, hidden)), jnp.bfloat16)
-    routed = rng.choice(ROUTED_STACK, size=(2, 8), replace=False)
-    expert = np.concatenate([routed, [[ROUTED_STACK]] * 2], axis=1).reshape(-1)
-    expert[3] = -1
-    token = np.repeat(np.arange(2), 9)
-    args = (x, jnp.asarray(token, jnp.int32), jnp.asarray(expert, jnp.int32), w1, w3, w2, shared)
+    x = jnp.asarray(rng.standard_normal((3, hidden)), jnp.bfloat16)
+    experts = rng.choice(ROUTED_STACK, size=(3, 8), replace=False)
+    experts[0, 3] = -1
+    args = (x, jnp.asarray(experts, jnp.int32), w1, w3, w2, shared,
+            jnp.asarray([True, True, False]))
     out = np.asarray(expert_rows_mlp(*args, interpret=False), np.float32)
     want = np.asarray(expert_rows_mlp_reference(*args), np.float32)
     np.testing.assert_allclose(out, want, rtol=3e-2, atol=3e-2)
-    assert not out[3].any() and np.all(out[[8, 17]].any(axis=1))  # the shared pairs
+    assert not out[0, 3].any() and not out[2, :8].any()  # no expert; a row not live
+    assert np.all(out[:, 8].any(axis=1))  # the shared pairs

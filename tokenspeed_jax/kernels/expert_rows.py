@@ -1,21 +1,22 @@
-"""The routed experts of a few (token, expert) pairs, each pair's row through its own expert's
+"""The routed experts of a few tokens, each (token, expert) pair's row through its own expert's
 weights in place: no sort by expert, no weight copy. The MoE's decode-sized path.
 
-Contract: ``x [T, D]``, ``token i32[P]``, ``expert i32[P]``, ``w1, w3 [E, D, F]``,
-``w2 [E, F, D]``, all floats of one dtype -> ``[P, D]`` in that dtype: row ``p`` is the SwiGLU
-expert MLP ``w2[e] (silu(x[t] @ w1[e]) * (x[t] @ w3[e]))`` with ``t = token[p]``,
-``e = expert[p]``. An optional second stack ``shared`` (w1, w3, w2 of ``E_s`` more experts: the
-MoE's shared expert) continues the ids: ``E .. E + E_s - 1`` index it. Invariants:
+Contract: ``x [T, D]``, ``experts i32[T, n]`` (each token's routed experts), ``w1, w3 [E, D,
+F]``, ``w2 [E, F, D]``, an optional second stack ``shared`` (w1, w3, w2 of ``E_s`` more experts:
+the MoE's shared experts) and an optional ``live bool[T]``, all floats of one dtype -> ``[T, n +
+E_s, D]`` in that dtype: entry ``[t, j]`` is the SwiGLU expert MLP ``w2[e] (silu(x[t] @ w1[e]) *
+(x[t] @ w3[e]))`` of routed expert ``e = experts[t, j]`` for ``j < n`` and of shared expert
+``j - n`` after them. The pairs are token-major, ``P = T (n + E_s)`` of them. Invariants:
 
-* A pair whose expert id is outside ``[0, E + E_s)`` (under expert parallelism, an expert of
-  another device) gives a row of zeros; its programs read no weight. Token ids are data, not
-  checked: they must be in ``[0, T)``.
+* A routed pair whose expert is outside ``[0, E)`` (under expert parallelism, an expert of
+  another device; ``moe.NO_EXPERT``) or whose token is not ``live`` (a compiled step's padding
+  row) gives zeros and its programs read no weight; shared pairs always run. The ids and the
+  live rows are read inside the kernels, so a decode step runs no XLA kernel to build pairs.
 * The arithmetic of ``moe.expert_mlp`` over the same pairs (the sorted grouped matmuls): each
   projection sums in float32 (float32 operands exactly, ``kernel_math.dot_precision``) and is
   rounded once to the dtype; silu and the product run in the dtype (``swiglu``).
-* Pairs may repeat experts and tokens in any order; each pair is computed on its own, so a
-  repeated expert's weights are requested once per pair (the repeats hit L2 only when they come
-  close together in time).
+* Each pair is computed on its own, so an expert two tokens share is requested once per pair
+  (the repeats hit L2 only when they come close together in time).
 
 Two implementations of one function, chosen statically by an ``ExpertRowsKernel``:
 
@@ -23,14 +24,16 @@ Two implementations of one function, chosen statically by an ``ExpertRowsKernel`
   projections together, then the down projection. A call has one program per (pair, block of
   ``block_n`` output columns, split of the contraction), pairs varying fastest in the launch order
   so that the pairs of one expert ask for each weight block at about the same time. Each program
-  reads its pair's expert id and indexes the stack it falls in (one loop per stack, of no step in
-  the others). The contraction is cut into ``split_count`` equal ranges of whole ``block_k`` steps
-  when the (pair, column block) programs alone are fewer than ``fill_programs``; every split
-  writes float32 partial sums ``[S, P, N]``, added after the call, so the activation and the
-  rounding see whole sums. A pair's single row is either multiplied and summed (products
-  accumulated in a ``[block_k, block_n]`` float32 block, reduced once at the end) or, with
-  ``dot_rows``, taken as a dot of 16 rows, the other 15 zero (Triton's smallest dot; zero rows add
-  exact zeros).
+  finds its pair's row and expert from the ids and indexes the stack the pair falls in (one loop
+  per stack, of no step in the others). The contraction is cut into ``split_count`` equal ranges
+  of whole ``block_k`` steps when the (pair, column block) programs alone are fewer than
+  ``fill_programs``; every split writes float32 partial sums ``[S, P, N]``, added after the call,
+  so the activation and the rounding see whole sums. A pair's single row is either multiplied and
+  summed (products accumulated in a ``[block_k, block_n]`` float32 block, reduced once at the
+  end) or, with ``dot_rows``, taken as a dot of 16 rows, the other 15 zero (Triton's smallest
+  dot; zero rows add exact zeros). (One call per MoE, a program per (pair, block of intermediate
+  columns) running gate, up, activation and its share of down, measured slower on an H200: see
+  docs/benchmarks.md, "Tried and rejected".)
 * ``expert_rows_mlp_reference``: the stacks concatenated, each pair's expert weights gathered,
   then einsums.
 
@@ -172,7 +175,7 @@ def swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)
 
 
-def _check_operands(x, token, expert, w1, w3, w2, shared) -> tuple[Stack, ...]:
+def _check_operands(x, experts, w1, w3, w2, shared, live) -> tuple[Stack, ...]:
     """The operands' problems raised; the weight stacks, routed then shared when given."""
     if x.ndim != 2 or w1.ndim != 3 or w1.shape[1] != x.shape[1]:
         raise ValueError(f"x {x.shape} and w1 {w1.shape} must be [T, D] and [E, D, F]")
@@ -184,11 +187,12 @@ def _check_operands(x, token, expert, w1, w3, w2, shared) -> tuple[Stack, ...]:
             raise ValueError(f"each stack's w1 {s1.shape}, w3 {s3.shape} and w2 {s2.shape} "
                              f"must be [E, {w1.shape[1]}, {w1.shape[2]}] twice and "
                              f"[E, {w1.shape[2]}, {w1.shape[1]}]")
-    if token.ndim != 1 or expert.shape != token.shape:
-        raise ValueError(f"token {token.shape} and expert {expert.shape} must be one [P] shape")
-    if not all(jnp.issubdtype(ids.dtype, jnp.integer) for ids in (token, expert)):
-        raise ValueError(f"token and expert ids must be integers, not {token.dtype} and "
-                         f"{expert.dtype}")
+    if experts.ndim != 2 or experts.shape[0] != x.shape[0] or experts.shape[1] == 0:
+        raise ValueError(f"experts {experts.shape} must be [{x.shape[0]}, n] with n >= 1")
+    if not jnp.issubdtype(experts.dtype, jnp.integer):
+        raise ValueError(f"expert ids must be integers, not {experts.dtype}")
+    if live is not None and live.shape != (x.shape[0],):
+        raise ValueError(f"live {live.shape} must be [{x.shape[0]}]")
     dtypes = {x.dtype} | {weight.dtype for stack in stacks for weight in stack}
     if len(dtypes) != 1:
         raise ValueError(f"x and the weights must share one dtype, not {sorted(map(str, dtypes))}")
@@ -211,26 +215,46 @@ def _row_products(lhs, weights, *, dot_rows: bool, precision: lax.Precision) -> 
     return dot(padded, weights, precision)
 
 
-def _expert_rows_kernel(
-    *refs,  # [rows i32[P]: the lhs row of each pair, unless rows_are_pairs], experts i32[P]
-    # (each pair's id in the stacks' concatenation; outside it gives zeros), lhs [M, K], each
-    # stack's weights [experts, K, N] (``per_stack`` of them, stack by stack), then a float32
-    # [S, P, N] result for each weight of a stack
+def _pair_runs(pair, experts_ref, live_ref, stacks) -> tuple:
+    """Pair ``pair``'s row of x and, per stack, (its weights, the pair's expert in it, int32 1
+    when the pair runs that expert else 0). Pairs are token-major: each token's routed experts,
+    then one pair per shared expert (module contract)."""
+    routed = experts_ref.shape[1]
+    per_token = routed + (stacks[1][0].shape[0] if len(stacks) > 1 else 0)
+    row, slot = pair // per_token, pair % per_token
+    expert = experts_ref[row, jnp.minimum(slot, routed - 1)]
+    runs = [(slot < routed) & (live_ref[row] != 0) & (expert >= 0)
+            & (expert < stacks[0][0].shape[0])]
+    found = [(stacks[0], expert)]
+    if len(stacks) > 1:
+        runs.append(slot >= routed)
+        found.append((stacks[1], slot - routed))
+    # int32 loop bounds: Triton's loop needs one type for all three; a pair runs no step of a
+    # stack it is not in, so its id never indexes past that stack
+    return row, [(*stack_expert, jnp.where(run, jnp.int32(1), jnp.int32(0)))
+                 for stack_expert, run in zip(found, runs)]
+
+
+def _projection_kernel(
+    experts_ref,  # i32[T, n]: each token's routed experts
+    live_ref,  # i32[T]: 0 for a row whose routed pairs are skipped
+    lhs_ref,  # [T, K] (x) or, with ``lhs_per_pair``, [P, K]
+    *refs,  # each stack's weights [E, K, N] (``per_stack`` of them, stack by stack), then a
+    # float32 [S, P, N] result for each weight of a stack
     per_stack: int,
     block_k: int,
     block_n: int,
     steps: int,  # block_k steps per split
     dot_rows: bool,
-    rows_are_pairs: bool,  # pair p reads lhs row p (no rows operand)
+    lhs_per_pair: bool,
     precision: lax.Precision,
 ):
     pair, column, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if rows_are_pairs:
-        row, (experts_ref, lhs_ref, *refs) = pair, refs
-    else:
-        rows_ref, experts_ref, lhs_ref, *refs = refs
-        row = rows_ref[pair]
     weight_refs, sum_refs = refs[:-per_stack], refs[-per_stack:]
+    stacks = [weight_refs[first:first + per_stack]
+              for first in range(0, len(weight_refs), per_stack)]
+    row, runs = _pair_runs(pair, experts_ref, live_ref, stacks)
+    row = pair if lhs_per_pair else row
     cols = pl.ds(column * block_n, block_n)
 
     def k_step(stack, expert, index, accs):
@@ -241,111 +265,117 @@ def _expert_rows_kernel(
                      for acc, weight_ref in zip(accs, stack))
 
     accs = (jnp.zeros((MIN_DOT_DIM if dot_rows else block_k, block_n), jnp.float32),) * per_stack
-    expert = experts_ref[pair]
-    for first in range(0, len(weight_refs), per_stack):
-        stack = weight_refs[first:first + per_stack]
-        local = (expert >= 0) & (expert < stack[0].shape[0])
-        # int32 bounds: Triton's loop needs one type for all three; a pair of another stack
-        # runs no step of this one, so its id never indexes past the stack
-        count = jnp.where(local, jnp.int32(steps), jnp.int32(0))
-        accs = lax.fori_loop(0, count, functools.partial(k_step, stack, expert), accs)
-        expert = expert - stack[0].shape[0]
+    for stack, expert, run in runs:
+        accs = lax.fori_loop(0, run * steps, functools.partial(k_step, stack, expert), accs)
     for sum_ref, acc in zip(sum_refs, accs):
         sum_ref[split, pair, cols] = jnp.sum(acc, axis=0)
 
 
-def _project(lhs: jax.Array, rows: jax.Array | None, expert: jax.Array,
-             stacks: tuple[tuple[jax.Array, ...], ...], *, blocks: ExpertRowsBlocks,
-             interpret: bool, name: str) -> list[jax.Array]:
-    """float32 ``lhs[rows[p]] @ w[expert[p]]`` [P, N] for each ``w`` of a stack (``rows`` None:
-    row p for pair p), ``expert`` indexing the stacks' concatenation: one Pallas call, its
-    splits' partial sums added."""
-    num_pairs = expert.shape[0]
-    row_operands = () if rows is None else (rows,)
+def _project(lhs: jax.Array, experts: jax.Array, live: jax.Array,
+             stacks: tuple[tuple[jax.Array, ...], ...], *, lhs_per_pair: bool,
+             blocks: ExpertRowsBlocks, interpret: bool, name: str) -> list[jax.Array]:
+    """float32 ``lhs[row] @ w[expert]`` [P, N] of every pair for each ``w`` of a stack (the
+    row: the pair's token, or with ``lhs_per_pair`` the pair): one Pallas call, its splits'
+    partial sums added."""
     weights = [weight for stack in stacks for weight in stack]
     per_stack = len(stacks[0])
+    num_pairs = experts.shape[0] * _pairs_per_token(experts, stacks)
     _, depth, width = weights[0].shape
     steps = depth // blocks.block_k
     columns = width // blocks.block_n
     splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
-    kernel = functools.partial(_expert_rows_kernel, per_stack=per_stack, block_k=blocks.block_k,
+    kernel = functools.partial(_projection_kernel, per_stack=per_stack, block_k=blocks.block_k,
                                block_n=blocks.block_n, steps=steps // splits,
-                               dot_rows=blocks.dot_rows, rows_are_pairs=rows is None,
+                               dot_rows=blocks.dot_rows, lhs_per_pair=lhs_per_pair,
                                precision=dot_precision(lhs.dtype))
     whole = pl.BlockSpec()
     partial_sums = pl.pallas_call(
         kernel,
         grid=(num_pairs, columns, splits),
-        in_specs=[whole] * (len(row_operands) + 2 + len(weights)),
+        in_specs=[whole] * (3 + len(weights)),
         out_specs=[whole] * per_stack,
         out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * per_stack,
         compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=blocks.num_stages),
         interpret=interpret,
         name=name,
-    )(*row_operands, expert, lhs, *weights)
+    )(experts, live, lhs, *weights)
     return [sums.sum(axis=0) for sums in partial_sums]
+
+
+def _pairs_per_token(experts: jax.Array, stacks: tuple) -> int:
+    """A token's routed experts plus the shared stack's experts."""
+    return experts.shape[1] + (stacks[1][0].shape[0] if len(stacks) > 1 else 0)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def expert_rows_mlp(
     x: jax.Array,  # [T, D]
-    token: jax.Array,  # i32[P]
-    expert: jax.Array,  # i32[P]
+    experts: jax.Array,  # i32[T, n]
     w1: jax.Array,  # [E, D, F]
     w3: jax.Array,  # [E, D, F]
     w2: jax.Array,  # [E, F, D]
-    shared: Stack | None = None,  # (w1, w3, w2) of E_s more experts, ids E .. E + E_s - 1
+    shared: Stack | None = None,  # (w1, w3, w2) of E_s shared experts
+    live: jax.Array | None = None,  # bool[T]
     *,
     blocks: ExpertRowsBlocks = ExpertRowsBlocks(),
     interpret: bool | None = None,
-) -> jax.Array:  # [P, D], x's dtype
-    """Each pair's expert MLP through the Pallas kernel (module docstring)."""
+) -> jax.Array:  # [T, n + E_s, D], x's dtype
+    """Every pair's expert MLP through the Pallas kernel (module docstring)."""
     interpret = pallas_backend.resolve_interpret(interpret)
-    stacks = _check_operands(x, token, expert, w1, w3, w2, shared)
+    stacks = _check_operands(x, experts, w1, w3, w2, shared, live)
     problem = expert_rows_problem(hidden=x.shape[1], intermediate=w1.shape[2], dtype=x.dtype,
                                   blocks=blocks)
     if problem is not None:
         raise ValueError(problem)
-    if token.shape[0] == 0:
-        raise ValueError("the kernel needs at least one pair")
-    expert = expert.astype(jnp.int32)
-    run = functools.partial(_project, expert=expert, blocks=blocks, interpret=interpret)
-    gate, up = run(x, token.astype(jnp.int32), stacks=tuple(stack[:2] for stack in stacks),
+    experts = experts.astype(jnp.int32)
+    live = (jnp.ones(x.shape[0], jnp.int32) if live is None else live.astype(jnp.int32))
+    run = functools.partial(_project, experts=experts, live=live, blocks=blocks,
+                            interpret=interpret)
+    gate, up = run(x, stacks=tuple(stack[:2] for stack in stacks), lhs_per_pair=False,
                    name="expert_rows_gate_up")
-    hidden = swiglu(gate, up, x.dtype)
-    (out,) = run(hidden, None, stacks=tuple(stack[2:] for stack in stacks),
-                 name="expert_rows_down")
-    return out.astype(x.dtype)
+    (out,) = run(swiglu(gate, up, x.dtype), stacks=tuple(stack[2:] for stack in stacks),
+                 lhs_per_pair=True, name="expert_rows_down")
+    return out.astype(x.dtype).reshape(x.shape[0], _pairs_per_token(experts, stacks), -1)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def expert_rows_mlp_reference(x: jax.Array, token: jax.Array, expert: jax.Array, w1: jax.Array,
-                              w3: jax.Array, w2: jax.Array,
-                              shared: Stack | None = None) -> jax.Array:
-    """The same function: the stacks concatenated, each pair's row and expert weights
-    gathered, then einsums."""
-    stacks = _check_operands(x, token, expert, w1, w3, w2, shared)
+def expert_rows_mlp_reference(x: jax.Array, experts: jax.Array, w1: jax.Array, w3: jax.Array,
+                              w2: jax.Array, shared: Stack | None = None,
+                              live: jax.Array | None = None) -> jax.Array:
+    """The same function: each pair's id in the stacks' concatenation, its row and expert
+    weights gathered, then einsums."""
+    stacks = _check_operands(x, experts, w1, w3, w2, shared, live)
+    num_tokens = experts.shape[0]
+    runs = (experts >= 0) & (experts < w1.shape[0])
+    if live is not None:
+        runs = runs & live[:, None]
+    ids = jnp.where(runs, experts, -1)
+    if shared is not None:
+        shared_ids = w1.shape[0] + jnp.arange(shared[0].shape[0], dtype=ids.dtype)
+        ids = jnp.concatenate([ids, jnp.broadcast_to(shared_ids, (num_tokens, len(shared_ids)))],
+                              axis=1)
     w1, w3, w2 = (jnp.concatenate(weights) for weights in zip(*stacks))
-    local = (expert >= 0) & (expert < w1.shape[0])
-    ids = jnp.where(local, expert, 0)
+    ids = ids.reshape(-1)
+    local = ids >= 0
 
     def project(lhs: jax.Array, weight: jax.Array) -> jax.Array:
-        return jnp.einsum("PK,PKN->PN", lhs, jnp.take(weight, ids, axis=0),
+        return jnp.einsum("PK,PKN->PN", lhs, jnp.take(weight, jnp.maximum(ids, 0), axis=0),
                           precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
 
-    rows = jnp.take(x, token, axis=0)
+    rows = jnp.repeat(x, ids.shape[0] // num_tokens, axis=0)
     out = project(swiglu(project(rows, w1), project(rows, w3), x.dtype), w2)
-    return jnp.where(local[:, None], out, 0.0).astype(x.dtype)
+    return jnp.where(local[:, None], out, 0.0).astype(x.dtype).reshape(num_tokens, -1,
+                                                                       x.shape[1])
 
 
-def apply_expert_rows(x: jax.Array, token: jax.Array, expert: jax.Array, w1: jax.Array,
-                      w3: jax.Array, w2: jax.Array, shared: Stack | None = None, *,
-                      kernel: ExpertRowsKernel) -> jax.Array:
-    """Each pair's expert MLP through ``kernel``'s backend."""
+def apply_expert_rows(x: jax.Array, experts: jax.Array, w1: jax.Array, w3: jax.Array,
+                      w2: jax.Array, shared: Stack | None = None, live: jax.Array | None = None,
+                      *, kernel: ExpertRowsKernel) -> jax.Array:
+    """Every pair's expert MLP through ``kernel``'s backend."""
     if kernel.backend == PALLAS:
-        return expert_rows_mlp(x, token, expert, w1, w3, w2, shared, blocks=kernel.blocks,
+        return expert_rows_mlp(x, experts, w1, w3, w2, shared, live, blocks=kernel.blocks,
                                interpret=kernel.interpret)
-    return expert_rows_mlp_reference(x, token, expert, w1, w3, w2, shared)
+    return expert_rows_mlp_reference(x, experts, w1, w3, w2, shared, live)

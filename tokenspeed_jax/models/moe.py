@@ -21,7 +21,8 @@ token in the same kernel call (``experts_through_rows``), so a decode step reads
 the same launch as the routed ones; otherwise it is its own ``SwiGLU``. Rows that are not ``live``
 (a compiled step's padding past its real tokens) route to no expert: their routed part is zero and
 their pairs read no expert weights (a batch-1 decode step in a 2-row bucket would otherwise read
-16 experts, not 8). ``grouped_kernel`` picks the grouped matmul; by default
+16 experts, not 8); the rows kernel reads ``live`` itself, the other paths mask the routed ids
+with ``NO_EXPERT``. ``grouped_kernel`` picks the grouped matmul; by default
 ``grouped_matmul.choose_grouped_kernel`` does: the Pallas kernel (tokens x top-k of work) on GPUs,
 ``lax.ragged_dot`` elsewhere (XLA on the GPU lowers it densely, tokens x experts of work).
 ``expert_rows_kernel`` picks the other path's implementation and its threshold; by default
@@ -121,19 +122,8 @@ def routed_through_groups(x: jax.Array, experts: jax.Array, weights: jax.Array, 
     return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
 
 
-def _pairs_through_rows(x: jax.Array, experts: jax.Array, w1: jax.Array, w3: jax.Array,
-                       w2: jax.Array, shared: Stack | None, *, dtype: Any,
-                       kernel: ExpertRowsKernel) -> jax.Array:
-    """[T, n, D] in ``dtype``: the expert MLP of each token's ``n`` pairs ``experts [T, n]`` (ids
-    into the routed stack, then ``shared``'s) in one expert-rows call."""
-    def cast(stack: Stack) -> Stack:
-        return tuple(w.astype(dtype) for w in stack)
-
-    num_tokens, per_token = experts.shape
-    token = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), per_token)
-    out = apply_expert_rows(x.astype(dtype), token, experts.reshape(-1), *cast((w1, w3, w2)),
-                            None if shared is None else cast(shared), kernel=kernel)
-    return out.reshape(num_tokens, per_token, -1)
+def _cast(stack: Stack, dtype: Any) -> Stack:
+    return tuple(w.astype(dtype) for w in stack)
 
 
 def _weighted_sum(weights: jax.Array, out: jax.Array) -> jax.Array:
@@ -146,20 +136,21 @@ def routed_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w1
                         kernel: ExpertRowsKernel) -> jax.Array:
     """``routed_through_groups``'s result with the pairs in their (token, k) order, each through
     its own expert (``kernels/expert_rows.py``), then each token's weighted sum over its k."""
-    out = _pairs_through_rows(x, experts - first, w1, w3, w2, None, dtype=dtype, kernel=kernel)
+    out = apply_expert_rows(x.astype(dtype), experts - first, *_cast((w1, w3, w2), dtype),
+                            kernel=kernel)
     return _weighted_sum(weights, out)
 
 
 def experts_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
                          w3: jax.Array, w2: jax.Array, shared: Stack, *, dtype: Any,
-                         kernel: ExpertRowsKernel) -> jax.Array:
+                         kernel: ExpertRowsKernel, live: jax.Array | None = None) -> jax.Array:
     """[T, D] in ``dtype``: the routed experts' weighted sum (``routed_through_rows``) plus the
     one shared expert ``shared`` (its (w1, w3, w2) stacked [1, D, F] / [1, F, D]) in the same
-    expert-rows call, the shared expert one more pair of each token; the combination rounds
-    as ``KimiMoE``'s does with the shared experts apart."""
-    shared_id = jnp.full((experts.shape[0], 1), w1.shape[0], experts.dtype)
-    out = _pairs_through_rows(x, jnp.concatenate([experts, shared_id], axis=1), w1, w3, w2,
-                              shared, dtype=dtype, kernel=kernel)
+    expert-rows call, the shared expert one more pair of each token; rows not ``live`` get the
+    shared expert alone. The combination rounds as ``KimiMoE``'s does with the shared experts
+    apart."""
+    out = apply_expert_rows(x.astype(dtype), experts, *_cast((w1, w3, w2), dtype),
+                            _cast(shared, dtype), live, kernel=kernel)
     return _weighted_sum(weights, out[:, :-1]).astype(dtype) + out[:, -1]
 
 
@@ -235,15 +226,16 @@ class KimiMoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).astype(self.dtype)
         experts, weights = self.route(x)
-        if live is not None:
-            experts = jnp.where(live.reshape(-1, 1), experts, NO_EXPERT)
         w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
         if mesh is None and self._shared_rides_rows(experts.size):
             mlp = self.shared_experts
             shared = tuple(w[...][None] for w in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-            return experts_through_rows(x, experts, weights, w1, w3, w2, shared,
-                                        dtype=self.dtype,
-                                        kernel=self.expert_rows_kernel).reshape(shape)
+            return experts_through_rows(
+                x, experts, weights, w1, w3, w2, shared, dtype=self.dtype,
+                kernel=self.expert_rows_kernel,
+                live=None if live is None else live.reshape(-1)).reshape(shape)
+        if live is not None:
+            experts = jnp.where(live.reshape(-1, 1), experts, NO_EXPERT)
         if mesh is None:
             routed = self._routed(x, experts, weights, w1, w3, w2, 0)
         else:
