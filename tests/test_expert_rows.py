@@ -24,6 +24,7 @@ from tokenspeed_jax.kernels.expert_rows import (
     NO_EXPERT_ROWS,
     ExpertRowsBlocks,
     ExpertRowsKernel,
+    _swiglu_rounded,
     choose_expert_rows_kernel,
     expert_rows_mlp,
     expert_rows_mlp_reference,
@@ -136,6 +137,23 @@ def test_reference_with_a_shared_stack_and_live_rows_matches_a_loop():
 def test_reference_matches_a_loop_over_the_pairs(dtype):
     args = operands(dtype, 4, 3, seed=1)
     assert_close(expert_rows_mlp_reference(*args), loop_reference(*args, dtype), dtype)
+
+
+def test_the_kernels_activation_rounds_each_operation():
+    """The down call's in-kernel activation against its contract computed in float64: silu of
+    the bf16-rounded gate, each operation's result rounded to bf16, times the rounded up."""
+    rng = np.random.default_rng(3)
+    gate, up = (rng.standard_normal(8192) * 4 for _ in range(2))
+
+    def rounded(x):
+        return np.asarray(np.asarray(x, jnp.bfloat16), np.float64)
+
+    g, u = rounded(gate), rounded(up)
+    want = rounded(rounded(g * rounded(1 / (1 + np.exp(-g)))) * u)
+    got = np.asarray(_swiglu_rounded(jnp.asarray(gate, jnp.float32),
+                                     jnp.asarray(up, jnp.float32), jnp.bfloat16), np.float64)
+    assert np.mean(got == want) > 0.999  # float32's sigmoid may round the other way, rarely
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
 
 
 def test_split_count_is_the_fewest_dividing_splits_that_fill_the_programs():

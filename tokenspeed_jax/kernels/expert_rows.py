@@ -27,8 +27,11 @@ Two implementations of one function, chosen statically by an ``ExpertRowsKernel`
   finds its pair's row and expert from the ids and indexes the stack the pair falls in (one loop
   per stack, of no step in the others). The contraction is cut into ``split_count`` equal ranges
   of whole ``block_k`` steps when the (pair, column block) programs alone are fewer than
-  ``fill_programs``; every split writes float32 partial sums ``[S, P, N]``, added after the call,
-  so the activation and the rounding see whole sums. A pair's single row is either multiplied and
+  ``fill_programs``; every split writes float32 partial sums ``[S, P, N]``. The down call's
+  programs add the gate and up partial sums of their contraction range and take the activation
+  themselves (``swiglu``'s operations in float32, each rounded to the dtype), so the
+  activation sees whole sums and no XLA kernel runs between the calls; the down call's own
+  partial sums are added after it. A pair's single row is either multiplied and
   summed (products accumulated in a ``[block_k, block_n]`` float32 block, reduced once at the
   end) or, with ``dot_rows``, taken as a dot of 16 rows, the other 15 zero (Triton's smallest
   dot; zero rows add exact zeros). (One call per MoE, a program per (pair, block of intermediate
@@ -235,31 +238,48 @@ def _pair_runs(pair, experts_ref, live_ref, stacks) -> tuple:
                  for stack_expert, run in zip(found, runs)]
 
 
+def _swiglu_rounded(gate, up, dtype: jnp.dtype):
+    """``swiglu`` inside a kernel (Triton has no bf16 arithmetic): its operations in float32,
+    each result rounded to ``dtype`` (XLA's own bf16 sigmoid may differ by an ulp or two)."""
+    def rounded(value):
+        return value.astype(dtype).astype(jnp.float32)
+
+    gate, up = rounded(gate), rounded(up)
+    return (rounded(gate * rounded(jax.nn.sigmoid(gate))) * up).astype(dtype)
+
+
 def _projection_kernel(
     experts_ref,  # i32[T, n]: each token's routed experts
     live_ref,  # i32[T]: 0 for a row whose routed pairs are skipped
-    lhs_ref,  # [T, K] (x) or, with ``lhs_per_pair``, [P, K]
-    *refs,  # each stack's weights [E, K, N] (``per_stack`` of them, stack by stack), then a
-    # float32 [S, P, N] result for each weight of a stack
+    *refs,  # the lhs: x [T, K], or with ``swiglu_of`` the gate and up projections' float32
+    # partial sums [S', P, K] of the call before; each stack's weights [E, K, N] (``per_stack``
+    # of them, stack by stack); then a float32 [S, P, N] result for each weight of a stack
     per_stack: int,
     block_k: int,
     block_n: int,
     steps: int,  # block_k steps per split
     dot_rows: bool,
-    lhs_per_pair: bool,
+    swiglu_of: jnp.dtype | None,  # the lhs is swiglu(gate, up) in this dtype, row = pair
     precision: lax.Precision,
 ):
     pair, column, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    weight_refs, sum_refs = refs[:-per_stack], refs[-per_stack:]
+    lhs_refs = refs[:1] if swiglu_of is None else refs[:2]
+    weight_refs, sum_refs = refs[len(lhs_refs):-per_stack], refs[-per_stack:]
     stacks = [weight_refs[first:first + per_stack]
               for first in range(0, len(weight_refs), per_stack)]
     row, runs = _pair_runs(pair, experts_ref, live_ref, stacks)
-    row = pair if lhs_per_pair else row
     cols = pl.ds(column * block_n, block_n)
+
+    def lhs_at(depth):
+        if swiglu_of is None:
+            return lhs_refs[0][row, depth]
+        gate, up = (sum(ref[part, pair, depth] for part in range(ref.shape[0]))
+                    for ref in lhs_refs)
+        return _swiglu_rounded(gate, up, swiglu_of)
 
     def k_step(stack, expert, index, accs):
         depth = pl.ds((split * steps + index) * block_k, block_k)
-        lhs = lhs_ref[row, depth]
+        lhs = lhs_at(depth)
         return tuple(acc + _row_products(lhs, weight_ref[expert, depth, cols],
                                          dot_rows=dot_rows, precision=precision)
                      for acc, weight_ref in zip(accs, stack))
@@ -271,12 +291,13 @@ def _projection_kernel(
         sum_ref[split, pair, cols] = jnp.sum(acc, axis=0)
 
 
-def _project(lhs: jax.Array, experts: jax.Array, live: jax.Array,
-             stacks: tuple[tuple[jax.Array, ...], ...], *, lhs_per_pair: bool,
+def _project(lhs: tuple[jax.Array, ...], experts: jax.Array, live: jax.Array,
+             stacks: tuple[tuple[jax.Array, ...], ...], *, swiglu_of: jnp.dtype | None,
              blocks: ExpertRowsBlocks, interpret: bool, name: str) -> list[jax.Array]:
-    """float32 ``lhs[row] @ w[expert]`` [P, N] of every pair for each ``w`` of a stack (the
-    row: the pair's token, or with ``lhs_per_pair`` the pair): one Pallas call, its splits'
-    partial sums added."""
+    """float32 partial sums [S, P, N] of ``lhs[row] @ w[expert]`` for every pair and each ``w``
+    of a stack, in one Pallas call: ``lhs`` is ``(x,)`` and the row the pair's token, or with
+    ``swiglu_of`` the (gate, up) partial sums of the call before, whose swiglu the kernel
+    takes, and the row the pair."""
     weights = [weight for stack in stacks for weight in stack]
     per_stack = len(stacks[0])
     num_pairs = experts.shape[0] * _pairs_per_token(experts, stacks)
@@ -284,23 +305,23 @@ def _project(lhs: jax.Array, experts: jax.Array, live: jax.Array,
     steps = depth // blocks.block_k
     columns = width // blocks.block_n
     splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
+    dtype = lhs[0].dtype if swiglu_of is None else swiglu_of
     kernel = functools.partial(_projection_kernel, per_stack=per_stack, block_k=blocks.block_k,
                                block_n=blocks.block_n, steps=steps // splits,
-                               dot_rows=blocks.dot_rows, lhs_per_pair=lhs_per_pair,
-                               precision=dot_precision(lhs.dtype))
+                               dot_rows=blocks.dot_rows, swiglu_of=swiglu_of,
+                               precision=dot_precision(dtype))
     whole = pl.BlockSpec()
-    partial_sums = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(num_pairs, columns, splits),
-        in_specs=[whole] * (3 + len(weights)),
+        in_specs=[whole] * (2 + len(lhs) + len(weights)),
         out_specs=[whole] * per_stack,
         out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * per_stack,
         compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=blocks.num_stages),
         interpret=interpret,
         name=name,
-    )(experts, live, lhs, *weights)
-    return [sums.sum(axis=0) for sums in partial_sums]
+    )(experts, live, *lhs, *weights)
 
 
 def _pairs_per_token(experts: jax.Array, stacks: tuple) -> int:
@@ -332,11 +353,12 @@ def expert_rows_mlp(
     live = (jnp.ones(x.shape[0], jnp.int32) if live is None else live.astype(jnp.int32))
     run = functools.partial(_project, experts=experts, live=live, blocks=blocks,
                             interpret=interpret)
-    gate, up = run(x, stacks=tuple(stack[:2] for stack in stacks), lhs_per_pair=False,
-                   name="expert_rows_gate_up")
-    (out,) = run(swiglu(gate, up, x.dtype), stacks=tuple(stack[2:] for stack in stacks),
-                 lhs_per_pair=True, name="expert_rows_down")
-    return out.astype(x.dtype).reshape(x.shape[0], _pairs_per_token(experts, stacks), -1)
+    gate_up = run((x,), stacks=tuple(stack[:2] for stack in stacks), swiglu_of=None,
+                  name="expert_rows_gate_up")
+    (out,) = run(tuple(gate_up), stacks=tuple(stack[2:] for stack in stacks),
+                 swiglu_of=x.dtype, name="expert_rows_down")
+    return out.sum(axis=0).astype(x.dtype).reshape(x.shape[0], _pairs_per_token(experts, stacks),
+                                                   -1)
 
 
 # ----------------------------------------------------------------------------- reference
