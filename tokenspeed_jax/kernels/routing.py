@@ -17,8 +17,9 @@ Two implementations of one function, chosen statically by a ``RoutingKernel``:
   sums, one program per (token, ``block_k`` rows of the contraction) with every expert, each a
   single load of its gate block, multiplied and summed in float32 (``[D / block_k, T, E]``); then
   the choice, one program per token: its partial sums added (loaded in power-of-2 parts), its
-  experts in registers (the groups as rows of a ``[G, E / G]`` block), k rounds of "take the
-  best, mask it". Where XLA runs a split-K product, its reduction, a sort per top-k and gathers
+  experts in registers (one row, or the groups as rows of a ``[G, E / G]`` block), k rounds of
+  "take the best, mask it" (over one row a single arg-reduction a round, the weights gathered
+  once after the rounds). Where XLA runs a split-K product, its reduction, a sort per top-k and gathers
   (about five kernels of a decode layer), this is two. (A program looping over the contraction
   for a few experts took 11 us a call on an H200 at Kimi-Linear's shape: one dependent load per
   step.)
@@ -162,17 +163,26 @@ def _best(values, ids, size: int):
     return top, jnp.min(jnp.where(values == top, ids, size))
 
 
+def _best_id(values, ids):
+    """The id of the largest of ``values``, the lowest on a tie: one arg-reduction over a row
+    (whose ids are its positions), two reductions over a block of groups."""
+    if values.ndim == 1:
+        return jnp.argmax(values).astype(jnp.int32)
+    return _best(values, ids, values.size)[1]
+
+
 def _choice_kernel(partials_ref, bias_ref, experts_ref, weights_ref, *, routing: Routing):
     token, start, logits = pl.program_id(0), 0, 0.0
     for part in _power_of_2_parts(partials_ref.shape[0]):
-        logits = logits + jnp.sum(partials_ref[pl.ds(start, part), token], axis=0)  # [G, E / G]
+        # [E] with one group, [G, E / G] with several
+        logits = logits + jnp.sum(partials_ref[pl.ds(start, part), token], axis=0)
         start += part
     scores = jax.nn.sigmoid(logits)
     choice = scores + bias_ref[...]
-    groups, group = choice.shape
-    ids = (lax.broadcasted_iota(jnp.int32, choice.shape, 0) * group
-           + lax.broadcasted_iota(jnp.int32, choice.shape, 1))
-    if groups > 1:
+    ids = lax.broadcasted_iota(jnp.int32, choice.shape, 0)
+    if choice.ndim == 2:
+        groups, group = choice.shape
+        ids = ids * group + lax.broadcasted_iota(jnp.int32, choice.shape, 1)
         column = lax.broadcasted_iota(jnp.int32, choice.shape, 1)
         first = jnp.max(choice, axis=1)
         at = jnp.min(jnp.where(choice == first[:, None], column, group), axis=1)
@@ -185,13 +195,18 @@ def _choice_kernel(partials_ref, bias_ref, experts_ref, weights_ref, *, routing:
             rank = jnp.where(group_ids == best, -jnp.inf, rank)
         choice = jnp.where(keep[:, None], choice, -jnp.inf)
     slots = lax.broadcasted_iota(jnp.int32, experts_ref.shape[1:], 0)
-    experts = jnp.zeros(slots.shape, jnp.int32)
+    experts = jnp.full(slots.shape, -1, jnp.int32)  # slots past k hold no expert
     weights = jnp.zeros(slots.shape, jnp.float32)
     for slot in range(routing.top_k):
-        _, best = _best(choice, ids, groups * group)
+        best = _best_id(choice, ids)
         experts = jnp.where(slots == slot, best, experts)
-        weights = jnp.where(slots == slot, jnp.sum(jnp.where(ids == best, scores, 0.0)), weights)
+        if choice.ndim == 2:
+            weights = jnp.where(slots == slot, jnp.sum(jnp.where(ids == best, scores, 0.0)),
+                                weights)
         choice = jnp.where(ids == best, -jnp.inf, choice)
+    if choice.ndim == 1:  # every slot's score at once
+        weights = jnp.sum(jnp.where(ids[None, :] == experts[:, None], scores[None, :], 0.0),
+                          axis=1)
     if routing.renormalize:
         weights = weights / (jnp.sum(weights) + ROUTER_EPS)
     experts_ref[token] = experts
@@ -224,7 +239,8 @@ def route_pallas(x: jax.Array, gate: jax.Array, bias: jax.Array, *, routing: Rou
         name="router_logits",
     )(x, gate.astype(jnp.float32))
     slots = 1 << (routing.top_k - 1).bit_length()  # a Triton block is a power of 2
-    grouped = (routing.num_groups, num_experts // routing.num_groups)
+    grouped = ((num_experts,) if routing.num_groups == 1
+               else (routing.num_groups, num_experts // routing.num_groups))
     experts, weights = pl.pallas_call(
         functools.partial(_choice_kernel, routing=routing),
         grid=(num_tokens,),
