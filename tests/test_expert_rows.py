@@ -66,13 +66,18 @@ def assert_close(actual, expected, dtype):
                                rtol=tolerance, atol=tolerance)
 
 
+def round_to(value, dtype) -> np.ndarray:
+    """``value`` rounded to float32, then to ``dtype`` (to nearest even), as float64."""
+    return np.asarray(jnp.asarray(value, jnp.float32).astype(dtype), np.float64)
+
+
 def loop_reference(x, experts, w1, w3, w2, dtype, live=None) -> np.ndarray:
     """float64, pair by pair, rounding each projection and the activation to ``dtype`` as the
     module's contract says; zeros for an expert outside the stack or a row not live. Experts
     at ids E, E + 1, ... of ``w1`` etc. past ``experts``' columns are shared: one more pair of
     every token each."""
     def rounded(value):
-        return np.asarray(jnp.asarray(value, jnp.float32).astype(dtype), np.float64)
+        return round_to(value, dtype)
 
     x, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, w1, w3, w2))
     experts = np.asarray(experts)
@@ -145,8 +150,8 @@ def test_the_kernels_activation_rounds_each_operation():
     rng = np.random.default_rng(3)
     gate, up = (rng.standard_normal(8192) * 4 for _ in range(2))
 
-    def rounded(x):
-        return np.asarray(np.asarray(x, jnp.bfloat16), np.float64)
+    def rounded(value):
+        return round_to(value, jnp.bfloat16)
 
     g, u = rounded(gate), rounded(up)
     want = rounded(rounded(g * rounded(1 / (1 + np.exp(-g)))) * u)

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.kernel_math import dot, dot_precision, is_power_of_2
+from tokenspeed_jax.kernels.kernel_math import dot, dot_precision, is_power_of_2, rounded_to
 from tokenspeed_jax.kernels.paged_attention_backend import (
     MIN_DOT_DIM,
     PALLAS,
@@ -218,12 +218,17 @@ def _row_products(lhs, weights, *, dot_rows: bool, precision: lax.Precision) -> 
     return dot(padded, weights, precision)
 
 
+def _pairs_per_token(experts, stacks: tuple) -> int:
+    """A token's pairs: its routed experts (``experts`` [T, n], an array or a ref) plus the
+    shared stack's experts."""
+    return experts.shape[1] + (stacks[1][0].shape[0] if len(stacks) > 1 else 0)
+
+
 def _pair_runs(pair, experts_ref, live_ref, stacks) -> tuple:
     """Pair ``pair``'s row of x and, per stack, (its weights, the pair's expert in it, int32 1
     when the pair runs that expert else 0). Pairs are token-major: each token's routed experts,
     then one pair per shared expert (module contract)."""
-    routed = experts_ref.shape[1]
-    per_token = routed + (stacks[1][0].shape[0] if len(stacks) > 1 else 0)
+    routed, per_token = experts_ref.shape[1], _pairs_per_token(experts_ref, stacks)
     row, slot = pair // per_token, pair % per_token
     expert = experts_ref[row, jnp.minimum(slot, routed - 1)]
     runs = [(slot < routed) & (live_ref[row] != 0) & (expert >= 0)
@@ -241,9 +246,7 @@ def _pair_runs(pair, experts_ref, live_ref, stacks) -> tuple:
 def _swiglu_rounded(gate, up, dtype: jnp.dtype):
     """``swiglu`` inside a kernel (Triton has no bf16 arithmetic): its operations in float32,
     each result rounded to ``dtype`` (XLA's own bf16 sigmoid may differ by an ulp or two)."""
-    def rounded(value):
-        return value.astype(dtype).astype(jnp.float32)
-
+    rounded = functools.partial(rounded_to, dtype=dtype)
     gate, up = rounded(gate), rounded(up)
     return (rounded(gate * rounded(jax.nn.sigmoid(gate))) * up).astype(dtype)
 
@@ -322,11 +325,6 @@ def _project(lhs: tuple[jax.Array, ...], experts: jax.Array, live: jax.Array,
         interpret=interpret,
         name=name,
     )(experts, live, *lhs, *weights)
-
-
-def _pairs_per_token(experts: jax.Array, stacks: tuple) -> int:
-    """A token's routed experts plus the shared stack's experts."""
-    return experts.shape[1] + (stacks[1][0].shape[0] if len(stacks) > 1 else 0)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))

@@ -54,7 +54,7 @@ from tokenspeed_jax.kernels.kda_ref import (
     recurrent_kda_reference,
     softplus,
 )
-from tokenspeed_jax.kernels.kernel_math import is_power_of_2
+from tokenspeed_jax.kernels.kernel_math import is_power_of_2, rounded_to
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
     REFERENCE,
@@ -124,8 +124,7 @@ def choose_step_kernel(*, head_dim: int, rank: int, platform: str | None = None)
     return StepKernel(PALLAS)
 
 
-def _check(mixed, low, weights: StepWeights, conv_pool, state_pool,
-           slots) -> tuple[int, ...]:
+def _check(mixed, low, weights: StepWeights, conv_pool, state_pool, slots) -> tuple[int, ...]:
     """Checks the operands (module contract); returns (N, H, K, R, W)."""
     if mixed.ndim != 4 or mixed.shape[1] != 3:
         raise ValueError(f"mixed must be [N, 3, H, K], got {mixed.shape}")
@@ -164,8 +163,7 @@ def _step_kernel(slots_ref, mixed_ref, low_ref, qw_ref, kw_ref, vw_ref, fb_ref, 
     live = slot >= 0
     row = jnp.maximum(slot, 0)
 
-    def rounded(x):
-        return x.astype(dtype).astype(f32)
+    rounded = functools.partial(rounded_to, dtype=dtype)
 
     def conv(channel: int, weight_ref):
         """The channel's conv output (rounded) and its conv-state rows after this token."""

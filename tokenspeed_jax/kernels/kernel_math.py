@@ -48,6 +48,12 @@ def dot_tn(a, b, precision):
                            preferred_element_type=jnp.float32)
 
 
+def rounded_to(value: jnp.ndarray, dtype: jnp.dtype) -> jnp.ndarray:
+    """``value`` rounded to ``dtype`` and back to float32: an XLA operation's rounding of its
+    result, inside a kernel that computes in float32 (Triton has no bf16 arithmetic)."""
+    return value.astype(dtype).astype(jnp.float32)
+
+
 def is_power_of_2(value: int) -> bool:
     """Whether ``value`` is 1, 2, 4, ... (Triton blocks must be powers of two)."""
     return value >= 1 and value & (value - 1) == 0
