@@ -186,11 +186,11 @@ def decode_runner(model, batches: list[int], context: int,
     top = max(batches)
     config = EngineConfig(
         prefill_graph_max_tokens=0, decode_graph_capture_batch_sizes=tuple(batches),
-        decode_graph_max_bs=top, max_model_len=_pages(context) * PAGE_SIZE,
+        decode_graph_max_bs=top, max_model_len=context_pages(context) * PAGE_SIZE,
         fused_decode_attention=fused is not None, xla_compiler_options=xla_compiler_options,
         stack_decode_weights=stack_decode_weights,
         alternate_decode_executables=alternate_decode_executables, background_compile=False)
-    runner = ModelRunner(model, config, num_pages=top * _pages(context) + 1,
+    runner = ModelRunner(model, config, num_pages=top * context_pages(context) + 1,
                          page_size=PAGE_SIZE)
     if fused is not None:
         runner.forward.decode_kernel = dataclasses.replace(
@@ -199,13 +199,13 @@ def decode_runner(model, batches: list[int], context: int,
     return runner
 
 
-def _pages(context: int) -> int:
+def context_pages(context: int) -> int:
     return math.ceil((context + 1) / PAGE_SIZE)
 
 
 def decode_requests(batch: int, context: int) -> list[StepRequest]:
     """``batch`` greedy requests decoding their token at position ``context``."""
-    pages = _pages(context)
+    pages = context_pages(context)
     return [StepRequest(str(i), np.array([7], np.int32), context,
                         np.arange(1 + i * pages, 1 + (i + 1) * pages, dtype=np.int32), True,
                         GREEDY, [7])
