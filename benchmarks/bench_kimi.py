@@ -8,7 +8,8 @@ figure it prints the step's weight-read floor: the bytes the step must read (eve
 the routed experts and the embedding table, the routed experts a batch of that size touches on
 average under uniform routing, the embedding rows, each request's latent rows and KDA states)
 over ``--bandwidth``. Before timing, the smallest decode batch's tokens on the decode executable
-are checked against the eager ordinary route on the same pools.
+are checked against the eager ordinary route on the same pools, beside the gap between the eager
+route's two best log-probabilities (``check_decode_tokens``).
 
 Shapes (random bf16 weights made on the device by ``loader.random_model``, ``--layers``
 layers):
@@ -26,6 +27,7 @@ layers):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -133,15 +135,23 @@ def decode_floor_bytes(weights: dict[str, int], config, batch: int, context: int
 
 
 def check_decode_tokens(runner: ModelRunner, batch: list[StepRequest]) -> dict:
-    """The decode executable's tokens against the eager ordinary route on the same pools."""
+    """The decode executable's tokens against the eager ordinary route on the same pools, and
+    the eager route's two best log-probabilities per request: where a token differs, a gap
+    between them smaller than the logprob difference is a near-tie, not a wrong step."""
+    ranked = [dataclasses.replace(r, params=dataclasses.replace(r.params, logprobs=2))
+              for r in batch]
     with runner.guard.allowed("bench check"):
         saved = {name: jnp.copy(pool) for name, pool in runner.pools.items()}
         compiled = runner.run_compiled("decode", batch)
         runner.pools = {name: jnp.copy(pool) for name, pool in saved.items()}
-        eager = runner.run_eager(batch, plan="ordinary")
+        eager = runner.run_eager(ranked, plan="ordinary")
         runner.pools = saved
-    return {"tokens_equal": bool(np.array_equal(compiled.token_ids, eager.token_ids)),
-            "max_logprob_diff": float(np.max(np.abs(compiled.logprobs - eager.logprobs)))}
+    differ = compiled.token_ids != eager.token_ids
+    return {"tokens_equal": not bool(differ.any()),
+            "max_logprob_diff": float(np.max(np.abs(compiled.logprobs - eager.logprobs))),
+            "differing_tokens_in_eager_top2": bool(np.all(
+                (compiled.token_ids[:, None] == eager.top_token_ids).any(axis=1)[differ])),
+            "eager_top2_gaps": (eager.top_logprobs[:, 0] - eager.top_logprobs[:, 1]).tolist()}
 
 
 def record(results: list[dict], row: dict) -> None:
