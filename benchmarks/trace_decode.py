@@ -105,7 +105,7 @@ def gpu_timelines(trace_file: Path, steps: int) -> list[dict]:
             gap = None if end is None else start - end
             if gap is not None and gap > 0:
                 gaps.append((gap, before["name"], kernel["name"]))
-            busy += max(0.0, stop - max(start, start if end is None else end))
+            busy += max(0.0, stop - (start if end is None else max(start, end)))  # not yet counted
             end = stop if end is None else max(end, stop)
             sequence.append({"name": kernel["name"], "us": kernel.get("dur", 0.0), "gap_us": gap})
         per_step, whole = divmod(len(kernels), steps)
