@@ -24,9 +24,9 @@ FAMILY_CHECKPOINTS = {"llama": "tiny_llama", "kimi_linear": "tiny_kimi",
                       "deepseek_v3": "tiny_deepseek_v3"}
 ENGINE = {  # one request at a time, a few small buckets: each start compiles in seconds
     "dtype": "float32", "max_model_len": 64, "max_num_seqs": 1, "num_pages": 4,
-    "page_size": 16, "prefill_graph_max_tokens": 64, "prefill_graph_capture_token_sizes": (64,),
+    "page_size": 16, "prefill_graph_max_tokens": 16, "prefill_graph_capture_token_sizes": (16,),
     "prefill_graph_capture_batch_sizes": (1,), "decode_graph_capture_batch_sizes": (1,),
-    "chunked_prefill_size": 64, "compile_progress": False, "strict_no_compile": True,
+    "chunked_prefill_size": 16, "compile_progress": False, "strict_no_compile": True,
 }
 
 
