@@ -9,6 +9,7 @@ file run as a script is that worker and prints one JSON line.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -76,9 +77,7 @@ def loop_reference(x, experts, w1, w3, w2, dtype, live=None) -> np.ndarray:
     module's contract says; zeros for an expert outside the stack or a row not live. Experts
     at ids E, E + 1, ... of ``w1`` etc. past ``experts``' columns are shared: one more pair of
     every token each."""
-    def rounded(value):
-        return round_to(value, dtype)
-
+    rounded = functools.partial(round_to, dtype=dtype)
     x, w1, w3, w2 = (np.asarray(a, np.float64) for a in (x, w1, w3, w2))
     experts = np.asarray(experts)
     num_shared = w1.shape[0] - E
@@ -150,9 +149,7 @@ def test_the_kernels_activation_rounds_each_operation():
     rng = np.random.default_rng(3)
     gate, up = (rng.standard_normal(8192) * 4 for _ in range(2))
 
-    def rounded(value):
-        return round_to(value, jnp.bfloat16)
-
+    rounded = functools.partial(round_to, dtype=jnp.bfloat16)
     g, u = rounded(gate), rounded(up)
     want = rounded(rounded(g * rounded(1 / (1 + np.exp(-g)))) * u)
     got = np.asarray(_swiglu_rounded(jnp.asarray(gate, jnp.float32),

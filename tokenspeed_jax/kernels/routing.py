@@ -19,8 +19,8 @@ Two implementations of one function, chosen statically by a ``RoutingKernel``:
   the choice, one program per token: its partial sums added (loaded in power-of-2 parts), its
   experts in registers (one row, or the groups as rows of a ``[G, E / G]`` block), k rounds of
   "take the best, mask it" (over one row a single arg-reduction a round, the weights gathered
-  once after the rounds). Where XLA runs a split-K product, its reduction, a sort per top-k and gathers
-  (about five kernels of a decode layer), this is two. (A program looping over the contraction
+  once after the rounds). Where XLA runs a split-K product, its reduction, a sort per top-k and
+  gathers (about five kernels of a decode layer), this is two. (A program looping over the contraction
   for a few experts took 11 us a call on an H200 at Kimi-Linear's shape: one dependent load per
   step.)
 * ``route_reference``, plain JAX (``lax.top_k``): every other token count and platform.
