@@ -44,6 +44,25 @@ def test_routing_kernel_matches_reference(shape, num_tokens):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPES.keys())
+def test_routing_kernel_matches_reference_call_after_call(shape, num_tokens):
+    """The token's last program to finish its partial sums does the choice: 64 calls on fresh
+    operands, so a program that read another's partial sums before they were stored would show
+    as a wrong pick somewhere."""
+    hidden, _, routing = SHAPES[shape]
+    rng = np.random.default_rng(num_tokens)
+    gate = jnp.asarray(rng.standard_normal((hidden, NUM_EXPERTS)) / hidden ** 0.5, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(NUM_EXPERTS) / 10, jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((64, num_tokens, hidden)), jnp.bfloat16)
+    got = [route_pallas(x, gate, bias, routing=routing, interpret=False) for x in xs]
+    for x, (experts, weights) in zip(xs, got, strict=True):
+        want_experts, want_weights = route_reference(x, gate, bias, routing=routing)
+        np.testing.assert_array_equal(np.asarray(experts), np.asarray(want_experts))
+        np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-5,
+                                   atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPES.keys())
 def test_expert_rows_with_the_shared_expert_matches_reference(shape):
     """Three tokens' 8 routed experts each (one of them -1, the third token not live) and the

@@ -54,6 +54,12 @@ def rounded_to(value: jnp.ndarray, dtype: jnp.dtype) -> jnp.ndarray:
     return value.astype(dtype).astype(jnp.float32)
 
 
+def power_of_2_parts(count: int) -> list[int]:
+    """``count`` as a sum of distinct powers of 2, largest first (Triton blocks are powers of
+    2): 36 -> [32, 4]."""
+    return [1 << bit for bit in reversed(range(count.bit_length())) if count >> bit & 1]
+
+
 def is_power_of_2(value: int) -> bool:
     """Whether ``value`` is 1, 2, 4, ... (Triton blocks must be powers of two)."""
     return value >= 1 and value & (value - 1) == 0

@@ -13,16 +13,20 @@ Contract: ``x [T, D]`` (any float dtype, taken as float32), ``gate f32[D, E]``, 
 
 Two implementations of one function, chosen statically by a ``RoutingKernel``:
 
-* ``route_pallas``, two Pallas calls (Triton lowering, ``pallas_backend``): the logits' partial
-  sums, one program per (token, ``block_k`` rows of the contraction) with every expert, each a
-  single load of its gate block, multiplied and summed in float32 (``[D / block_k, T, E]``); then
-  the choice, one program per token: its partial sums added (loaded in power-of-2 parts), its
-  experts in registers (one row, or the groups as rows of a ``[G, E / G]`` block), k rounds of
-  "take the best, mask it" (over one row a single arg-reduction a round, the weights gathered
-  once after the rounds). Where XLA runs a split-K product, its reduction, a sort per top-k and
-  gathers (about five kernels of a decode layer), this is two. (A program looping over the contraction
-  for a few experts took 11 us a call on an H200 at Kimi-Linear's shape: one dependent load per
-  step.)
+* ``route_pallas``, one Pallas call (Triton lowering, ``pallas_backend``), a program per (token,
+  ``block_k`` rows of the contraction) with every expert: a single load of its gate block,
+  multiplied and summed in float32, stored as its partial logits (``[D / block_k, T, E]``, or
+  ``[.., G, E / G]`` with groups). It then counts itself in on the token's arrival counter (a
+  thread barrier first, so every thread's store precedes it; an acquire-release atomic add at
+  GPU scope; the counters start at zero each call); the token's last program to arrive, which
+  therefore sees every partial sum (read with volatile loads, from L2), does the choice: the
+  partial sums added (in power-of-2 parts), the experts in registers (one row, or the groups as
+  rows of a ``[G, E / G]`` block), k rounds of "take the best, mask it" (over one row a single
+  arg-reduction a round, the weights gathered once after the rounds). Where XLA runs a split-K
+  product, its reduction, a sort per top-k and gathers (about five kernels of a decode layer),
+  this is one. (A program looping over the contraction for a few experts took 11 us a call on
+  an H200 at Kimi-Linear's shape: one dependent load per step; the logits and the choice as two
+  calls took 11 us (0.4%) more of the whole Kimi-Linear batch-1 step on the H200.)
 * ``route_reference``, plain JAX (``lax.top_k``): every other token count and platform.
 
 The two sum the logits in different orders, so a near-tie of two experts' choices (within a
@@ -42,9 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.kernel_math import is_power_of_2
+from tokenspeed_jax.kernels.kernel_math import is_power_of_2, power_of_2_parts
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
     REFERENCE,
@@ -69,11 +74,10 @@ class Routing:
 
 @dataclasses.dataclass(frozen=True)
 class RoutingBlocks:
-    """Tuning knobs of the two calls."""
+    """Tuning knobs of the call."""
 
-    block_k: int = 64  # contraction rows per program of the logits call
-    logits_warps: int = 8
-    choice_warps: int = 4
+    block_k: int = 64  # contraction rows per program
+    num_warps: int = 8
 
     def __post_init__(self) -> None:
         if not is_power_of_2(self.block_k):
@@ -144,19 +148,6 @@ def _check_operands(x: jax.Array, gate: jax.Array, bias: jax.Array, routing: Rou
 # ----------------------------------------------------------------------------- Pallas kernel
 
 
-def _logits_kernel(x_ref, gate_ref, partials_ref, *, block_k: int):
-    token, split = pl.program_id(0), pl.program_id(1)
-    depth = pl.ds(split * block_k, block_k)
-    row = x_ref[token, depth].astype(jnp.float32)
-    partials_ref[split, token] = jnp.sum(row[:, None] * gate_ref[depth, :], axis=0)
-
-
-def _power_of_2_parts(count: int) -> list[int]:
-    """``count`` as a sum of distinct powers of 2, largest first (Triton blocks are powers of
-    2): 36 -> [32, 4]."""
-    return [1 << bit for bit in reversed(range(count.bit_length())) if count >> bit & 1]
-
-
 def _best(values, ids, size: int):
     """The largest of ``values`` and the lowest of ``ids`` where it is (``size`` where none)."""
     top = jnp.max(values)
@@ -171,14 +162,21 @@ def _best_id(values, ids):
     return _best(values, ids, values.size)[1]
 
 
-def _choice_kernel(partials_ref, bias_ref, experts_ref, weights_ref, *, routing: Routing):
-    token, start, logits = pl.program_id(0), 0, 0.0
-    for part in _power_of_2_parts(partials_ref.shape[0]):
-        # [E] with one group, [G, E / G] with several
-        logits = logits + jnp.sum(partials_ref[pl.ds(start, part), token], axis=0)
+def _summed_partials(partials_ref, token, load):
+    """The token's logits: its partial sums added, loaded by ``load`` in power-of-2 parts;
+    ``[E]`` with one group, ``[G, E / G]`` with several."""
+    start, logits = 0, 0.0
+    for part in power_of_2_parts(partials_ref.shape[0]):
+        logits = logits + jnp.sum(load(partials_ref.at[pl.ds(start, part), token]), axis=0)
         start += part
+    return logits
+
+
+def _choose(logits, bias, slots: int, routing: Routing):
+    """(experts i32[slots], weights f32[slots]) of one token from its logits (slots past k
+    hold expert -1 and weight 0)."""
     scores = jax.nn.sigmoid(logits)
-    choice = scores + bias_ref[...]
+    choice = scores + bias
     ids = lax.broadcasted_iota(jnp.int32, choice.shape, 0)
     if choice.ndim == 2:
         groups, group = choice.shape
@@ -194,14 +192,14 @@ def _choice_kernel(partials_ref, bias_ref, experts_ref, weights_ref, *, routing:
             keep = keep | (group_ids == best)
             rank = jnp.where(group_ids == best, -jnp.inf, rank)
         choice = jnp.where(keep[:, None], choice, -jnp.inf)
-    slots = lax.broadcasted_iota(jnp.int32, experts_ref.shape[1:], 0)
-    experts = jnp.full(slots.shape, -1, jnp.int32)  # slots past k hold no expert
-    weights = jnp.zeros(slots.shape, jnp.float32)
+    slot_ids = lax.broadcasted_iota(jnp.int32, (slots,), 0)
+    experts = jnp.full((slots,), -1, jnp.int32)
+    weights = jnp.zeros((slots,), jnp.float32)
     for slot in range(routing.top_k):
         best = _best_id(choice, ids)
-        experts = jnp.where(slots == slot, best, experts)
+        experts = jnp.where(slot_ids == slot, best, experts)
         if choice.ndim == 2:
-            weights = jnp.where(slots == slot, jnp.sum(jnp.where(ids == best, scores, 0.0)),
+            weights = jnp.where(slot_ids == slot, jnp.sum(jnp.where(ids == best, scores, 0.0)),
                                 weights)
         choice = jnp.where(ids == best, -jnp.inf, choice)
     if choice.ndim == 1:  # every slot's score at once
@@ -209,15 +207,36 @@ def _choice_kernel(partials_ref, bias_ref, experts_ref, weights_ref, *, routing:
                           axis=1)
     if routing.renormalize:
         weights = weights / (jnp.sum(weights) + ROUTER_EPS)
-    experts_ref[token] = experts
-    weights_ref[token] = weights * routing.scaling
+    return experts, weights * routing.scaling
+
+
+def _route_kernel(x_ref, gate_ref, bias_ref, _arrivals_in, partials_ref, arrivals_ref,
+                  experts_ref, weights_ref, *, block_k: int, routing: Routing, compiled: bool):
+    token, split, splits = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    depth = pl.ds(split * block_k, block_k)
+    row = x_ref[token, depth].astype(jnp.float32)
+    gate = gate_ref[depth]  # [block_k, E] or [block_k, G, E / G]
+    partials_ref[split, token] = jnp.sum(row[(slice(None),) + (None,) * (gate.ndim - 1)] * gate,
+                                         axis=0)
+    if compiled:  # every thread's store precedes the arrival (interpreted: one program at a time)
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(arrivals_ref, token, jnp.int32(1))  # acquire-release, GPU scope
+
+    @pl.when(arrived == splits - 1)  # the token's last program: every partial sum is written
+    def _():
+        # volatile: read from L2, not from this SM's L1 (which other SMs' stores never update)
+        load = functools.partial(plgpu.load, volatile=True) if compiled else (
+            lambda ref: ref[...])
+        logits = _summed_partials(partials_ref, token, load)
+        experts_ref[token], weights_ref[token] = _choose(logits, bias_ref[...],
+                                                         experts_ref.shape[1], routing)
 
 
 @functools.partial(jax.jit, static_argnames=("routing", "blocks", "interpret"))
 def route_pallas(x: jax.Array, gate: jax.Array, bias: jax.Array, *, routing: Routing,
                  blocks: RoutingBlocks = RoutingBlocks(),
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """The routing through the two Pallas calls (module docstring)."""
+    """The routing through one Pallas call (module docstring)."""
     interpret = pallas_backend.resolve_interpret(interpret)
     _check_operands(x, gate, bias, routing)
     (num_tokens, hidden), num_experts = x.shape, gate.shape[1]
@@ -227,33 +246,26 @@ def route_pallas(x: jax.Array, gate: jax.Array, bias: jax.Array, *, routing: Rou
         raise ValueError(problem)
     whole = pl.BlockSpec()
     splits = hidden // blocks.block_k
-    partials = pl.pallas_call(
-        functools.partial(_logits_kernel, block_k=blocks.block_k),
-        grid=(num_tokens, splits),
-        in_specs=[whole, whole],
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((splits, num_tokens, num_experts), jnp.float32),
-        compiler_params=pallas_backend.compiler_params(num_warps=blocks.logits_warps,
-                                                       num_stages=1),
-        interpret=interpret,
-        name="router_logits",
-    )(x, gate.astype(jnp.float32))
     slots = 1 << (routing.top_k - 1).bit_length()  # a Triton block is a power of 2
     grouped = ((num_experts,) if routing.num_groups == 1
                else (routing.num_groups, num_experts // routing.num_groups))
-    experts, weights = pl.pallas_call(
-        functools.partial(_choice_kernel, routing=routing),
-        grid=(num_tokens,),
-        in_specs=[whole, whole],
-        out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, slots), jnp.int32),
+    _, _, experts, weights = pl.pallas_call(
+        functools.partial(_route_kernel, block_k=blocks.block_k, routing=routing,
+                          compiled=not interpret),
+        grid=(num_tokens, splits),
+        in_specs=[whole] * 4,
+        out_specs=[whole] * 4,
+        out_shape=[jax.ShapeDtypeStruct((splits, num_tokens, *grouped), jnp.float32),  # partials
+                   jax.ShapeDtypeStruct((num_tokens,), jnp.int32),  # arrivals
+                   jax.ShapeDtypeStruct((num_tokens, slots), jnp.int32),
                    jax.ShapeDtypeStruct((num_tokens, slots), jnp.float32)],
-        compiler_params=pallas_backend.compiler_params(num_warps=blocks.choice_warps,
+        input_output_aliases={3: 1},
+        compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=1),
         interpret=interpret,
-        name="router_choice",
-    )(partials.reshape(splits, num_tokens, *grouped),
-      bias.astype(jnp.float32).reshape(grouped))
+        name="router",
+    )(x, gate.astype(jnp.float32).reshape(hidden, *grouped),
+      bias.astype(jnp.float32).reshape(grouped), jnp.zeros((num_tokens,), jnp.int32))
     return experts[:, :routing.top_k], weights[:, :routing.top_k]
 
 
