@@ -25,7 +25,7 @@ Invariants:
   not one. The score block is the sum of the two dots.
 * With ``splits`` = 1 the kernel writes the normalised output. With more, the cached positions are
   cut into that many ranges, split 0 also takes the new row, and each split writes its
-  unnormalised sums and base-2 running maxima, merged by ``paged_decode.merge_splits``.
+  unnormalised sums and base-2 running maxima, merged by ``split_merge.merge_split_results``.
   ``mla_split_count`` picks the count per compiled batch size.
 * Scores and softmax run in float32 (exact dots for fp32 caches): the arithmetic of
   ``attention_ref.masked_attention``, up to summation order.
@@ -54,9 +54,9 @@ from tokenspeed_jax.kernels.paged_attention_backend import MIN_DOT_DIM, paged_ca
 from tokenspeed_jax.kernels.paged_decode import (
     fused_paged_decode_reference,
     fused_split_count,
-    merge_splits,
     store_split_result,
 )
+from tokenspeed_jax.kernels.split_merge import merge_split_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +219,8 @@ def mla_decode(
         interpret=interpret,
         name="mla_decode",
     )(positions.astype(jnp.int32), tables, q, latent, pages)
-    attention = out[0] if splits == 1 else merge_splits(*out).astype(q.dtype)
+    attention = (out[0] if splits == 1
+                 else merge_split_results(*out, interpret=interpret).astype(q.dtype))
     return attention, pages
 
 
