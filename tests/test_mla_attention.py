@@ -108,6 +108,8 @@ def test_choice_is_static_and_declared(caplog):
     kimi = {"kv_lora_rank": 512, "rope_dim": 64, "page_size": 16, "dtype": jnp.bfloat16}
     assert choose_mla_kernel(**kimi, platform="cpu") == REFERENCE_MLA
     assert choose_mla_kernel(**kimi, platform="gpu").backend == PALLAS
+    fp32 = choose_mla_kernel(**{**kimi, "dtype": jnp.float32}, platform="gpu")
+    assert fp32.backend == PALLAS and fp32.prefill.pages_per_block == 1  # shared memory
     with caplog.at_level(logging.WARNING, logger="tokenspeed_jax.kernels.paged_attention_backend"):
         assert choose_mla_kernel(**{**kimi, "kv_lora_rank": 576},
                                  platform="gpu") == REFERENCE_MLA

@@ -9,6 +9,8 @@ Skipped without a GPU; on a GPU machine: ``pytest -m gpu tests/test_mla_kernels_
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import mla_checks as hand
@@ -17,8 +19,8 @@ import pytest
 
 from tokenspeed_jax.kernels.mla_decode import mla_decode, mla_decode_reference, mla_split_count
 from tokenspeed_jax.kernels.mla_prefill import (
-    MLAPrefillBlocks,
     mla_prefill,
+    mla_prefill_blocks,
     mla_prefill_reference,
 )
 from tokenspeed_jax.kernels.paged_prefill_attention import prefill_work
@@ -58,12 +60,12 @@ def test_decode_kernel_matches_reference(num_heads, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("blocks", [MLAPrefillBlocks(), MLAPrefillBlocks(block_q=32, block_h=1)],
-                         ids=["default", "32x1"])
-def test_prefill_kernel_matches_reference(blocks, dtype):
+@pytest.mark.parametrize("knobs", [{}, {"block_q": 32, "block_h": 1}], ids=["default", "32x1"])
+def test_prefill_kernel_matches_reference(knobs, dtype):
     """A fresh 300-token prompt, 200 tokens after a 37-token prefix, one token after 1000, a
     chunk of 333 after 1000 cached tokens sharing the first rows' pages (a prefix hit), and
-    padding."""
+    padding; the dtype's default knobs (``mla_prefill_blocks``), and those with 32 x 1 rows."""
+    blocks = dataclasses.replace(mla_prefill_blocks(dtype), **knobs)
     rng = np.random.default_rng(blocks.block_q)
     requests = [(0, 300), (37, 200), (1000, 1), (1000, 333)]
     token_request = np.concatenate([np.full(new, row) for row, (_, new) in enumerate(requests)]

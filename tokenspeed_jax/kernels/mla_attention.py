@@ -37,6 +37,7 @@ from tokenspeed_jax.kernels.mla_decode import (
 from tokenspeed_jax.kernels.mla_prefill import (
     MLAPrefillBlocks,
     mla_prefill,
+    mla_prefill_blocks,
     mla_prefill_problem,
     mla_prefill_reference,
 )
@@ -79,7 +80,7 @@ def choose_mla_kernel(*, kv_lora_rank: int, rope_dim: int, page_size: int, dtype
     if not pallas_runs(problem, platform=platform, mesh=None, num_kv_heads=1,
                        log=functools.partial(log_reference_once, "MLA attention")):
         return REFERENCE_MLA
-    return MLAKernel(PALLAS, mesh=mesh)
+    return MLAKernel(PALLAS, prefill=mla_prefill_blocks(dtype), mesh=mesh)
 
 
 def mla_decode_step(
