@@ -505,3 +505,24 @@ def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
         assert (stats["buckets_ready"], stats["buckets_total"]) == (5, 5)
     finally:
         ladder.guard.disarm()
+
+
+def test_a_runner_without_prefill_buckets_starts_and_restores_state_rows():
+    """Eager (as with the prefill graph off) there are no prefill request buckets: the runner
+    compiles no restore executable, and a restore copies each checkpoint row to its request's
+    slot op by op, touching nothing else."""
+    runner = new_runner(enforce_eager=True)
+    runner.compile_all()
+    assert not [key for key in runner._compiled if key[0] == "restore"]
+    pools = noisy_pools(runner, seed=3)
+    with runner.guard.allowed("test pools"):
+        runner.pools = {n: jnp.asarray(p) for n, p in pools.items()}
+    tokens = np.zeros(1, np.int32)
+    runner.restore([dataclasses.replace(request("a", tokens, 0, 0, slot=3), restore_slot=1),
+                    request("b", tokens, 0, 8, slot=4)])
+    for name, before in pools.items():
+        expected = before.copy()
+        if name in runner.state_pools:
+            expected[3] = before[1]
+        np.testing.assert_array_equal(np.asarray(runner.pools[name]), expected)
+    assert runner.counters["kda_state_restores"] == 1

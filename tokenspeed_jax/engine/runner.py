@@ -478,7 +478,7 @@ class ModelRunner:
         shardings = {} if self.mesh is None else family_of(self.model_config).plan_value_shardings(
             self.model_config, self.mesh, list(self.pools))
         self._add_decode_plans(ladders, pools, shardings)
-        if self.restore_plan is not None:
+        if self.restore_plan is not None and self.buckets.prefill_requests:
             rows = self.restore_rows
             index = jax.ShapeDtypeStruct((rows,), jnp.int32)
             ladders.add([("prefill_requests", rows)], f"restore N={rows}",
@@ -696,21 +696,34 @@ class ModelRunner:
         return self.buckets.prefill_requests[-1]
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
-        """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants)."""
+        """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants):
+        through the compiled restore executable, ``restore_rows`` pairs a call, or with no
+        prefill request buckets (the prefill graph off, or eager) op by op, all pairs at once."""
         if self.restore_plan is None:
             return
         pairs = [(r.restore_slot, r.state_slot) for r in requests if r.restore_slot >= 0]
+        if not self.buckets.prefill_requests:
+            if pairs:
+                self._restore_rows(pairs, len(pairs), compiled=False)
+            return
         rows = self.restore_rows
         for start in range(0, len(pairs), rows):
-            src = np.full(rows, -1, np.int32)
-            dst = np.full(rows, -1, np.int32)
-            chunk = pairs[start:start + rows]
-            src[:len(chunk)], dst[:len(chunk)] = zip(*chunk)
-            self.counters["kda_state_restores"] += len(chunk)
-            states = {n: self.pools[n] for n in self.state_pools}
-            out = self._compiled["restore", rows].run(
-                {"restore_src": jax.device_put(src), "restore_dst": jax.device_put(dst), **states})
-            self.pools.update(out)
+            self._restore_rows(pairs[start:start + rows], rows, compiled=True)
+
+    def _restore_rows(self, pairs: list[tuple[int, int]], rows: int, *, compiled: bool) -> None:
+        """One restore call of ``rows`` rows copying ``pairs`` (source, destination slots)."""
+        src = np.full(rows, -1, np.int32)
+        dst = np.full(rows, -1, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self.counters["kda_state_restores"] += len(pairs)
+        inputs = {"restore_src": jax.device_put(src), "restore_dst": jax.device_put(dst),
+                  **{n: self.pools[n] for n in self.state_pools}}
+        if compiled:
+            out = self._compiled["restore", rows].run(inputs)
+        else:
+            with self.guard.allowed("eager restore"):
+                out = run_eager(self.restore_plan, inputs, {})
+        self.pools.update(out)
 
     def _adopt(self, values: dict[str, jax.Array]) -> None:
         """Take the pools a plan returned (the donated inputs are gone)."""
