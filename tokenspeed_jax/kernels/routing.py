@@ -25,8 +25,9 @@ Two implementations of one function, chosen statically by a ``RoutingKernel``:
   arg-reduction a round, the weights gathered once after the rounds). Where XLA runs a split-K
   product, its reduction, a sort per top-k and gathers (about five kernels of a decode layer),
   this is one. (A program looping over the contraction for a few experts took 11 us a call on
-  an H200 at Kimi-Linear's shape: one dependent load per step; the logits and the choice as two
-  calls took 11 us (0.4%) more of the whole Kimi-Linear batch-1 step on the H200.)
+  an H200 at Kimi-Linear's shape: one dependent load per step. The logits and the choice as two
+  calls took 11-17 us more of the whole Kimi-Linear batch-1 step on the H200 in two
+  measurements, and the same time at batch 8.)
 * ``route_reference``, plain JAX (``lax.top_k``): every other token count and platform.
 
 The two sum the logits in different orders, so a near-tie of two experts' choices (within a
