@@ -18,7 +18,7 @@ from flax import nnx
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.engine.batch import StepBatch, StepRequest
 from tokenspeed_jax.engine.runner import ModelRunner
-from tokenspeed_jax.graph import choose_bucket
+from tokenspeed_jax.graph import PlanCompiler, choose_bucket
 from tokenspeed_jax.kernels.mla_attention import MLAKernel
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS, REFERENCE
 from tokenspeed_jax.models.kimi_linear import MLA, KimiLinearForCausalLM
@@ -220,10 +220,16 @@ def test_decode_is_one_executable_per_batch_bucket(runner):
         f"head B={rows}" for rows in runner.buckets.prefill_requests]
 
 
+class Traced(Exception):
+    """Raised where XLA would start compiling: every plan has been traced by then."""
+
+
 def test_every_moe_layer_of_a_compiled_step_knows_its_padding_rows(monkeypatch):
     """The decode and prefill plans hand each MoE layer the rows that are real tokens
     (``live``, from the positions), so a bucket's padding rows route to no expert and read no
-    expert weights (``moe.KimiMoE``); the dense first layer is not asked."""
+    expert weights (``moe.KimiMoE``); the dense first layer is not asked. ``compile_all`` traces
+    every plan as it adds it (the cache off: none is loaded instead) and is stopped there, before
+    the compiles, which would not call the layers again."""
     calls = []
     original = KimiMoE.__call__
 
@@ -231,8 +237,14 @@ def test_every_moe_layer_of_a_compiled_step_knows_its_padding_rows(monkeypatch):
         calls.append(live is not None)
         return original(self, x, mesh=mesh, live=live)
 
+    def stop(self, **kwargs):
+        raise Traced
+
+    runner = new_runner(compile_cache=False)  # its pools' allocation compiles here
     monkeypatch.setattr(KimiMoE, "__call__", recording)
-    new_runner(compile_cache=False).compile_all()  # traces every plan
+    monkeypatch.setattr(PlanCompiler, "compile_all", stop)
+    with pytest.raises(Traced):
+        runner.compile_all()
     assert calls and all(calls)
 
 
@@ -260,18 +272,22 @@ def test_pallas_mla_kernels_interpreted_give_the_reference_kernels_results(runne
     """The Pallas MLA kernels, interpreted on the CPU: prefill attention at the breaks, a
     second chunk attending over the first chunk's cached latent pages (as a prefix-cache hit
     does), and decode attention inside the decode executable give the tokens and pools of the
-    plain-JAX references. The kernel choice is part of the executable cache key."""
+    plain-JAX references. The kernel choice is part of the executable cache key. The prefill
+    steps take the ordinary route, the only one the kernels' runner compiles: its MLA pieces
+    and attention breaks are the inline route's, and it compiles in half the time."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
-    kernels = ModelRunner(checkpoint.model, CONFIG, num_pages=24, num_state_slots=6,
-                         page_size=PAGE, settings=MLAKernel(PALLAS, interpret=True))
+    kernels = ModelRunner(checkpoint.model,
+                          dataclasses.replace(CONFIG, disable_kda_prefill_graph=True),
+                          num_pages=24, num_state_slots=6, page_size=PAGE,
+                          settings=MLAKernel(PALLAS, interpret=True))
     assert runner.forward.mla_kernel.backend == REFERENCE
     assert kernels.cache_fingerprint() != runner.cache_fingerprint()
     kernels.compile_all()
     long, short = prompts(6)
     pools = noisy_pools(runner, 9)
-    steps = [("inline", [request("a", long[:32], 0, 0, slot=1),
-                         request("b", short[:-1], 0, 8, slot=3)]),
-             ("inline", [request("a", long[32:-1], 32, 0, slot=1)]),
+    steps = [("ordinary", [request("a", long[:32], 0, 0, slot=1),
+                           request("b", short[:-1], 0, 8, slot=3)]),
+             ("ordinary", [request("a", long[32:-1], 32, 0, slot=1)]),
              ("decode", [request("a", long[-1:], 69, 0, slot=1),
                          request("b", short[-1:], 39, 8, slot=3)])]
     for how, batch in steps:
@@ -395,7 +411,7 @@ def test_a_decode_step_past_the_largest_bucket_runs_in_bucket_groups(runner):
     long, short = prompts(7)
     prefill = [request("a", long[:-1], 0, 0, slot=1), request("b", short[:-1], 0, 8, slot=3),
                request("c", short[:19], 0, 16, slot=5)]
-    _, after = run(runner, noisy_pools(runner, 11), "eager", prefill)
+    _, after = run(runner, noisy_pools(runner, 11), "step", prefill)  # compiled, in 2 groups
     decode = [request("a", long[-1:], 69, 0, slot=1), request("b", short[-1:], 39, 8, slot=3),
               request("c", short[19:20], 19, 16, slot=5)]
     assert runner.route(decode) == "decode" and runner.buckets.decode_requests[-1] == 2
