@@ -10,9 +10,10 @@ kernel the plain-JAX reference attention.
 The tiny Kimi checkpoint has 2 heads (KDA and MLA) and 8 experts: at tp=2 the engine's greedy
 tokens and per-step log-probabilities must be HF's, and tp=4 is an error naming the head count.
 tp=4 runs on a 4-head variant with random weights written here in the checkpoint format
-(``kimi_weight_map`` gives every tensor's name and shape). Each engine start-up compiles 16
-executables at one 16-token prefill bucket (~25 s on 2 cores), so the worker builds only two
-engines: tp=4 on the 4-head variant is checked against the plain reference forward
+(``kimi_weight_map`` gives every tensor's name and shape), on 4 of the 7 layers (each layer kind
+and each pair of neighbouring kinds kept). Each engine start-up compiles 16 executables (the
+4-layer variant 14) at one 16-token prefill bucket (~30 s on 2 cores), so the worker builds
+only two engines: tp=4 on the 4-head variant is checked against the plain reference forward
 (``LLM.logits``) over its prompts and tokens.
 """
 
@@ -44,7 +45,9 @@ SERVED_PROMPT = [7, 30, 31, 32, 33, 34]
 
 
 def _wide_kimi(root: Path) -> Path:
-    """tiny_kimi's config with 4 KDA and 4 MLA heads, random weights in the checkpoint layout."""
+    """tiny_kimi's config with 4 KDA and 4 MLA heads and 4 of its 7 layers (KDA with the dense
+    MLP, KDA and MLA with experts, a KDA layer after the MLA one: every layer kind and every
+    neighbour of one), random weights in the checkpoint layout."""
     from safetensors.numpy import save_file
     from tiny_checkpoints import save_word_tokenizer
 
@@ -53,6 +56,9 @@ def _wide_kimi(root: Path) -> Path:
     raw = json.loads((GOLDEN / "tiny_kimi" / "config.json").read_text())
     raw["num_attention_heads"] = raw["num_key_value_heads"] = 4
     raw["linear_attn_config"]["num_heads"] = 4
+    raw["num_hidden_layers"] = 4
+    raw["linear_attn_config"]["kda_layers"], raw["linear_attn_config"]["full_attn_layers"] = (
+        [1, 2, 4], [3])
     rng = np.random.default_rng(0)
     tensors = {}
     for name, weight in kimi_weight_map(KimiLinearConfig.from_hf(raw)).items():
