@@ -160,10 +160,12 @@ def llama_runner(options: dict):
 
 
 def kimi_runner(options: dict):
-    """test_kimi_runner's module runner over ``options['cache_dir']`` (not compiled yet)."""
+    """test_kimi_runner's module runner over ``options['cache_dir']`` (not compiled yet), on the
+    ordinary prefill route alone (``disable_kda_prefill_graph``): every kind of Kimi executable
+    in half the compile."""
     from test_kimi_runner import runner_builder
 
-    return runner_builder(compile_cache_dir=options["cache_dir"])
+    return runner_builder(compile_cache_dir=options["cache_dir"], disable_kda_prefill_graph=True)
 
 
 # options["model"] -> (what makes a builder of the runner, whose model is made outside the
@@ -536,8 +538,9 @@ def test_a_cache_miss_logs_which_parts_of_the_key_differ(tmp_path, caplog, monke
 def test_kimi_executables_load_in_a_second_process():
     """Kimi Linear's executables (KDA chunk scans and recurrent step, MLA, routed experts, state
     restore) load in a fresh process as the Llama ones do. The starts use the session's cache
-    (conftest.py) and test_kimi_runner's runner, so that module loads what they compiled; the
-    first start loads too when the cache already holds them, from another process either way."""
+    (conftest.py) and test_kimi_runner's runner on its ordinary route, so that module loads what
+    they compiled (all but its inline route's); the first start loads too when the cache already
+    holds them, from another process either way."""
     from tokenspeed_jax.config import EngineConfig
 
     directory = EngineConfig().compile_cache_path

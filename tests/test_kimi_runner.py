@@ -64,9 +64,9 @@ def test_llama_only_settings_are_logged_as_ignored(caplog):
 
 def runner_builder(**config) -> Callable[[], ModelRunner]:
     """Builds the tiny Kimi checkpoint's runner with ``CONFIG`` (fields replaced by ``config``),
-    not yet compiled; the checkpoint is loaded now. ``test_compile_cache`` starts it in fresh
-    processes on the session's executable cache, so this module's runners load what those
-    processes compiled."""
+    not yet compiled; the checkpoint is loaded now. ``test_compile_cache`` starts it (with
+    ``disable_kda_prefill_graph``) in fresh processes on the session's executable cache, so this
+    module's runners load what those processes compiled (all but the inline route's)."""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
     return functools.partial(ModelRunner, checkpoint.model, dataclasses.replace(CONFIG, **config),
                              num_pages=24, num_state_slots=6, page_size=PAGE)
