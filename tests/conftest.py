@@ -2,8 +2,11 @@
 
 * The executable cache is on by default and lives under ``$XDG_CACHE_HOME``, its MAC key under
   ``$XDG_CONFIG_HOME``: the suite points both at fresh temporary directories, so tests never read
-  entries a developer's runs left behind and never write to the real cache or use the real key
-  (subprocesses inherit the variables).
+  entries a developer's runs left behind and never write to the real cache or use the real key.
+  The first process to load this file makes them (the xdist controller under ``make test``) and
+  every process it starts inherits them (its workers, subprocesses), so the whole session shares
+  one cache: what one worker compiled the other loads (writes and the key's creation are atomic,
+  ``graph/cache.py``, ``graph/trust.py``).
 * Compile guards are process-wide, so none may outlive its test module.
 * Collection puts the slowest modules first (``SLOWEST_FIRST``), the rest in their usual order:
   ``make test`` runs modules whole on two workers, handed out in collection order, so the long
@@ -15,8 +18,13 @@ import tempfile
 
 import pytest
 
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="tokenspeed-jax-tests-")
-os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="tokenspeed-jax-tests-config-")
+SESSION_DIRS = "TOKENSPEED_JAX_TEST_DIRS"  # the session's two directories, made by its first process
+if SESSION_DIRS not in os.environ:
+    os.environ[SESSION_DIRS] = os.pathsep.join((
+        tempfile.mkdtemp(prefix="tokenspeed-jax-tests-"),
+        tempfile.mkdtemp(prefix="tokenspeed-jax-tests-config-")))
+os.environ["XDG_CACHE_HOME"], os.environ["XDG_CONFIG_HOME"] = os.environ[SESSION_DIRS].split(
+    os.pathsep)
 
 from tokenspeed_jax.graph.guard import disarm_all
 
