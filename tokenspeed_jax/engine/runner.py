@@ -478,8 +478,8 @@ class ModelRunner:
         shardings = {} if self.mesh is None else family_of(self.model_config).plan_value_shardings(
             self.model_config, self.mesh, list(self.pools))
         self._add_decode_plans(ladders, pools, shardings)
-        if self.restore_plan is not None and self.buckets.prefill_requests:
-            rows = self.restore_rows
+        rows = self.restore_rows
+        if self.restore_plan is not None and rows is not None:
             index = jax.ShapeDtypeStruct((rows,), jnp.int32)
             ladders.add([("prefill_requests", rows)], f"restore N={rows}",
                         self._store(("restore", rows)), self.restore_plan,
@@ -691,22 +691,23 @@ class ModelRunner:
                                          eager=True)
 
     @property
-    def restore_rows(self) -> int:
-        """Row pairs one restore executable copies (the largest request bucket)."""
-        return self.buckets.prefill_requests[-1]
+    def restore_rows(self) -> int | None:
+        """Row pairs one compiled restore executable copies (the largest prefill request bucket);
+        None without prefill request buckets (the prefill graph off, or eager): none is compiled."""
+        return max(self.buckets.prefill_requests, default=None)
 
     def restore(self, requests: Sequence[StepRequest]) -> None:
         """Copy each ``restore_slot`` row into its request's ``state_slot`` (see the invariants):
-        through the compiled restore executable, ``restore_rows`` pairs a call, or with no
-        prefill request buckets (the prefill graph off, or eager) op by op, all pairs at once."""
+        through the compiled restore executable, ``restore_rows`` pairs a call, or where none is
+        compiled op by op, all pairs at once."""
         if self.restore_plan is None:
             return
         pairs = [(r.restore_slot, r.state_slot) for r in requests if r.restore_slot >= 0]
-        if not self.buckets.prefill_requests:
+        rows = self.restore_rows
+        if rows is None:
             if pairs:
                 self._restore_rows(pairs, len(pairs), compiled=False)
             return
-        rows = self.restore_rows
         for start in range(0, len(pairs), rows):
             self._restore_rows(pairs[start:start + rows], rows, compiled=True)
 

@@ -54,10 +54,15 @@ def rounded_to(value: jnp.ndarray, dtype: jnp.dtype) -> jnp.ndarray:
     return value.astype(dtype).astype(jnp.float32)
 
 
-def power_of_2_parts(count: int) -> list[int]:
-    """``count`` as a sum of distinct powers of 2, largest first (Triton blocks are powers of
-    2): 36 -> [32, 4]."""
-    return [1 << bit for bit in reversed(range(count.bit_length())) if count >> bit & 1]
+def power_of_2_parts(count: int) -> list[slice]:
+    """``range(count)`` cut into slices of distinct powers of 2, largest first (Triton blocks
+    are powers of 2): 36 -> [0:32, 32:36]."""
+    parts, start = [], 0
+    for bit in reversed(range(count.bit_length())):
+        if count >> bit & 1:
+            parts.append(slice(start, start + (1 << bit)))
+            start += 1 << bit
+    return parts
 
 
 def is_power_of_2(value: int) -> bool:

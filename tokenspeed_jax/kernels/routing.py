@@ -166,11 +166,8 @@ def _best_id(values, ids):
 def _summed_partials(partials_ref, token, load):
     """The token's logits: its partial sums added, loaded by ``load`` in power-of-2 parts;
     ``[E]`` with one group, ``[G, E / G]`` with several."""
-    start, logits = 0, 0.0
-    for part in power_of_2_parts(partials_ref.shape[0]):
-        logits = logits + jnp.sum(load(partials_ref.at[pl.ds(start, part), token]), axis=0)
-        start += part
-    return logits
+    return sum(jnp.sum(load(partials_ref.at[part, token]), axis=0)
+               for part in power_of_2_parts(partials_ref.shape[0]))
 
 
 def _choose(logits, bias, slots: int, routing: Routing):

@@ -48,12 +48,9 @@ def merge_splits(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array) -> jax.
 
 def _merge_kernel(acc_ref, max_ref, sum_ref, out_ref):
     request, head = pl.program_id(0), pl.program_id(1)
-    parts, start = [], 0
-    for size in power_of_2_parts(acc_ref.shape[0]):
-        splits = pl.ds(start, size)
-        parts.append((max_ref[splits, request, head], sum_ref[splits, request, head],
-                      acc_ref[splits, request, head, :]))
-        start += size
+    parts = [(max_ref[splits, request, head], sum_ref[splits, request, head],
+              acc_ref[splits, request, head, :])
+             for splits in power_of_2_parts(acc_ref.shape[0])]
     top = functools.reduce(jnp.maximum, [jnp.max(row_max) for row_max, _, _ in parts])
     top = jnp.where(top > -jnp.inf, top, 0.0)
     total, out = 0.0, 0.0
