@@ -304,33 +304,40 @@ def test_interactive_docs_are_off_unless_enabled(served):
             assert httpx.get(docs_url + path).status_code == 200
 
 
-class FailingAfter:
-    """The real runner until its device fails: launches after the first ``launches`` raise."""
+class FailingOnceShared:
+    """The real runner until two requests share a step; that step's launch raises (the device is
+    gone). Each launch also takes ``pause`` seconds, so the first request is still streaming when
+    the second arrives."""
 
-    def __init__(self, runner, launches: int) -> None:
-        self.runner, self.launches = runner, launches
+    def __init__(self, runner, pause: float) -> None:
+        self.runner, self.pause = runner, pause
 
     def launch(self, batch):
-        self.launches -= 1
-        if self.launches < 0:
+        time.sleep(self.pause)
+        if len(batch.requests) >= 2:
             raise RuntimeError("the device is gone")
         return self.runner.launch(batch)
 
 
 def test_engine_failure_ends_requests_cleanly_and_exits_1():
-    """The loop dies mid-stream (not a request's fault): the stream ends with an error event and
-    [DONE], a request waiting for a full response gets a 503, and ``serve`` returns 1."""
+    """The loop dies with two requests in flight (not a request's fault): the stream ends with an
+    error event and [DONE], the request waiting for a full response gets a 503, and ``serve``
+    returns 1."""
     config = dataclasses.replace(CONFIG, port=free_port(), shutdown_timeout=5.0)
     url = f"http://127.0.0.1:{config.port}"
 
     def build(config):
         bundle = build_engine(config)
-        bundle.engine.runner = FailingAfter(bundle.engine.runner, launches=3)
+        bundle.engine.runner = FailingOnceShared(bundle.engine.runner, pause=0.05)
         return bundle
 
     seen: dict = {}
+    body = completion(prompt=GOOD_PROMPT, max_tokens=80, temperature=0, ignore_eos=True)
 
-    def client() -> None:
+    def waiting_client() -> None:
+        seen["after"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    def streaming_client() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -339,19 +346,24 @@ def test_engine_failure_ends_requests_cleanly_and_exits_1():
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        body = completion(prompt=GOOD_PROMPT, max_tokens=40, temperature=0, ignore_eos=True)
-        with httpx.Client(base_url=url, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
-                seen["events"] = [line[6:] for line in stream.iter_lines()
-                                  if line.startswith("data: ")]
-            seen["after"] = http.post("/v1/completions", json=body)
+        waiting = threading.Thread(target=waiting_client)
+        seen["events"] = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    seen["events"].append(line[6:])
+                    if len(seen["events"]) == 1:
+                        waiting.start()
+        waiting.join(60)
 
-    thread = threading.Thread(target=client)
+    thread = threading.Thread(target=streaming_client)
     thread.start()
     status = serve(config, build=build)
     thread.join(60)
     assert status == 1
     events = seen["events"]
+    assert 1 <= len(events) - 2 < 80  # some tokens streamed, then the error and [DONE]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "service_unavailable"
     assert "the engine loop failed" in json.loads(events[-2])["error"]["message"]
