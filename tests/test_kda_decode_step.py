@@ -1,5 +1,5 @@
 """The fused KDA decode step (``kernels/kda_decode_step.py``): the Pallas kernel, interpreted,
-against the plain-JAX reference; the reference against a float64 loop written from the module's
+against the plain-JAX reference, whole heads and heads split over programs; the reference against a float64 loop written from the module's
 contract; the layer's fused decode against its unfused route; the per-platform choice; bad
 operands."""
 
@@ -17,6 +17,7 @@ from tokenspeed_jax.kernels.kda_decode_step import (
     choose_step_kernel,
     kda_decode_step_pallas,
     kda_decode_step_reference,
+    value_block,
 )
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
 from tokenspeed_jax.models.kimi_linear.layers import KdaMeta, KimiDeltaAttention
@@ -103,14 +104,15 @@ def test_reference_matches_a_float64_loop_of_the_contract():
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype, state_dtype, tol", [
-    (jnp.float32, jnp.float32, 1e-5),
-    (jnp.bfloat16, jnp.float32, 3e-2),
-    (jnp.bfloat16, jnp.bfloat16, 3e-2),
+@pytest.mark.parametrize("dtype, state_dtype, tol, block_v", [
+    (jnp.float32, jnp.float32, 1e-5, None),  # three requests: a program per whole head
+    (jnp.float32, jnp.float32, 1e-5, 4),  # four programs a head: the last one norms
+    (jnp.bfloat16, jnp.float32, 3e-2, None),
+    (jnp.bfloat16, jnp.bfloat16, 3e-2, 8),
 ])
-def test_kernel_matches_reference(dtype, state_dtype, tol):
+def test_kernel_matches_reference(dtype, state_dtype, tol, block_v):
     want = _run(kda_decode_step_reference, dtype, state_dtype)
-    got = _run(kda_decode_step_pallas, dtype, state_dtype, interpret=True)
+    got = _run(kda_decode_step_pallas, dtype, state_dtype, block_v=block_v, interpret=True)
     names = ("out", "conv pool", "state pool")
     for name, g, w in zip(names, got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
@@ -132,7 +134,7 @@ def test_two_steps_continue_from_the_pools():
         _, *pools["ref"] = kda_decode_step_reference(*step, weights, *pools["ref"], slots,
                                                      eps=EPS)
         _, *pools["kernel"] = kda_decode_step_pallas(*step, weights, *pools["kernel"], slots,
-                                                     eps=EPS, interpret=True)
+                                                     eps=EPS, block_v=8, interpret=True)
     for got, want in zip(pools["kernel"], pools["ref"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -169,6 +171,9 @@ def test_kernel_is_chosen_on_gpus_for_power_of_2_shapes():
         StepKernel("triton")
     kernel = StepKernel(PALLAS, max_requests=8)
     assert kernel.takes(8) and not kernel.takes(9) and not REFERENCE_STEP.takes(1)
+    # value rows per program: 32-row blocks up to two requests, the whole head beyond
+    assert [value_block(n, 128) for n in (1, 2, 3, 32)] == [32, 32, 128, 128]
+    assert value_block(1, 16) == 16
 
 
 def test_bad_operands_are_refused():
@@ -188,6 +193,10 @@ def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="powers of 2"):
         kda_decode_step_pallas(odd[0][0], jnp.zeros((3, 12 + H)), wide, odd[2], odd[3], slots,
                                eps=EPS, interpret=True)
+    for block_v in (3, 32):  # not a power of 2; more rows than the head has
+        with pytest.raises(ValueError, match="block_v"):
+            kda_decode_step_pallas(*step, weights, conv_pool, state_pool, slots, eps=EPS,
+                                   block_v=block_v, interpret=True)
     with pytest.raises(ValueError, match="low"):
         kda_decode_step_reference(step[0], step[1][:, :-1], weights, conv_pool, state_pool,
                                   slots, eps=EPS)

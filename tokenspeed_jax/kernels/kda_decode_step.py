@@ -18,19 +18,26 @@ rmsnorm(o) * o_norm * sigmoid(round(gate_low @ g_b)) over the head's V channels,
 
 Two implementations, chosen by a ``StepKernel``:
 
-* ``kda_decode_step_pallas``: one program per (head, request) owns the head's whole state
-  ``[V, K]`` and its conv channels, so it reads the old conv state and writes the new one with
-  no other program touching them, and it can norm the output over V. Where the unfused step
-  runs ten or so XLA kernels around the recurrent one (the conv, the q/k/v split, two low-rank
-  products, the gate and beta, the gated norm, the conv-state scatter), this is one launch. It
-  reads ``mixed`` and ``low`` whole, so the products that make them need no split into copies.
+* ``kda_decode_step_pallas``: one program per (head, request, block of ``block_v`` value
+  rows) owns those rows of the head's state ``[V, K]`` and the matching v conv channels, so it
+  reads the old rows and writes the new ones with no other program touching them (the pools are
+  updated in place). Each program stores its rows of o and of the output gate; the norm over V
+  needs every row, so the (request, head)'s last program to finish does it (``kernels.arrivals``:
+  a counter per (request, head), a fresh zeros array each call) and writes the output. Every
+  program reads the old q and k conv rows (q and k are whole in each), so the last one also
+  writes their new rows, once all have read them. At small batches the
+  head is split into 32-row blocks (``value_block``): more programs start their state reads at
+  once; beyond, one program takes the whole head. Where the unfused step runs ten or so XLA
+  kernels around the recurrent one (the conv, the q/k/v split, two low-rank products, the gate
+  and beta, the gated norm, the conv-state scatter), this is one launch. It reads ``mixed`` and
+  ``low`` whole, so the products that make them need no split into copies.
 * ``kda_decode_step_reference``: plain JAX from the pieces the prefill uses (``short_conv_pool``,
   ``kda_gate``, ``recurrent_kda_reference``, ``gated_rms_norm``).
 
 Invariants: a request with ``slots[n] < 0`` is padding (zero states in, no pool row written;
 its output is computed and meaningless); slots in one call are distinct; the pools are donated.
-The kernel takes shapes whose K (= V) and R are powers of 2 (``step_problem``) and raises on
-others; ``choose_step_kernel`` picks it on GPUs only, so nothing falls back at run time.
+The kernel takes shapes whose K (= V) and R are powers of 2 (``step_problem``) and blocks of
+32 to K value rows, and raises on others; ``choose_step_kernel`` picks it on GPUs only, so nothing falls back at run time.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.arrivals import count_in, shared_load
 from tokenspeed_jax.kernels.kda_ref import (
     L2NORM_EPS,
     STATE_DTYPES,
@@ -63,8 +71,8 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
 )
 from tokenspeed_jax.kernels.short_conv import head_major_weight, short_conv_pool
 
-__all__ = ["StepKernel", "StepWeights", "choose_step_kernel", "kda_decode_step_pallas",
-           "kda_decode_step_reference", "step_problem"]
+__all__ = ["StepKernel", "StepWeights", "block_problem", "choose_step_kernel", "kda_decode_step_pallas",
+           "kda_decode_step_reference", "step_problem", "value_block"]
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +89,12 @@ class StepWeights:
     dt_bias: Any  # [H, K] float32
     o_norm: Any  # [V]
 
+
+# Value rows per program: the smallest compiled block that computes correctly (16-row blocks gave
+# wrong states on an H200, jax 0.11.2; interpreted, any power of 2 runs), and the block at up to SPLIT_MAX_REQUESTS requests, where more
+# programs read the state sooner (one Kimi-Linear layer at batch 1: 7.9 us against 8.8 whole).
+MIN_BLOCK_V = 32
+SPLIT_MAX_REQUESTS = 2
 
 # Past this many requests a step is throughput-bound and each program's re-read of the two
 # low-rank gate slabs costs more than the XLA kernels it replaces (H200, 32 heads of 128).
@@ -108,6 +122,22 @@ class StepKernel:
 
 
 REFERENCE_STEP = StepKernel()
+
+
+def value_block(requests: int, head_dim: int) -> int:
+    """Value rows per program for a step of ``requests`` requests: ``MIN_BLOCK_V`` up to
+    ``SPLIT_MAX_REQUESTS`` requests, the whole head beyond (each program re-reads the decay
+    gate's slab, which outweighs the earlier start at larger batches)."""
+    return min(MIN_BLOCK_V, head_dim) if requests <= SPLIT_MAX_REQUESTS else head_dim
+
+
+def block_problem(block_v: int, head_dim: int, *, compiled: bool) -> str | None:
+    """Why ``block_v`` value rows per program cannot run, or None: a power of 2 dividing the
+    head, and compiled at least ``MIN_BLOCK_V`` (or the whole head)."""
+    least = min(MIN_BLOCK_V, head_dim) if compiled else 1
+    if not (is_power_of_2(block_v) and least <= block_v <= head_dim):
+        return f"block_v={block_v} must be a power of 2 from {least} to {head_dim}"
+    return None
 
 
 def step_problem(*, head_dim: int, rank: int) -> str | None:
@@ -155,85 +185,112 @@ def _check(mixed, low, weights: StepWeights, conv_pool, state_pool, slots) -> tu
 
 
 def _step_kernel(slots_ref, mixed_ref, low_ref, qw_ref, kw_ref, vw_ref, fb_ref, gb_ref, alog_ref,
-                 dtb_ref, onorm_ref, conv_ref, pool_ref, out_ref, conv_out_ref, pool_out_ref, *,
-                 width: int, scale: float, eps: float):
+                 dtb_ref, onorm_ref, conv_ref, pool_ref, _arrivals_in, out_ref, conv_out_ref,
+                 pool_out_ref, o_ref, gate_ref, arrivals_ref, *, width: int, scale: float,
+                 eps: float, block_v: int, compiled: bool):
     f32, dtype = jnp.float32, out_ref.dtype
-    head, n = pl.program_id(0), pl.program_id(1)
+    head, n, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[n]
     live = slot >= 0
     row = jnp.maximum(slot, 0)
-
+    values = pl.ds(block * block_v, block_v)
+    every = pl.ds(0, fb_ref.shape[2])
     rounded = functools.partial(rounded_to, dtype=dtype)
 
-    def conv(channel: int, weight_ref):
+    def conv(channel: int, weight_ref, columns):
         """The channel's conv output (rounded) and its conv-state rows after this token."""
-        token = mixed_ref[n, channel, head, :]
-        history = [jnp.where(live, conv_ref[row, i, head, channel, :], 0)
+        token = mixed_ref[n, channel, head, columns]
+        history = [jnp.where(live, conv_ref[row, i, head, channel, columns], 0)
                    for i in range(width - 1)]
         taps = [*history, token]
         acc = jnp.zeros(token.shape, f32)
         for i, tap in enumerate(taps):
-            acc = acc + tap.astype(f32) * weight_ref[head, :, i].astype(f32)
+            acc = acc + tap.astype(f32) * weight_ref[head, columns, i].astype(f32)
         return rounded(jax.nn.silu(acc)), taps[1:]
 
     (q, q_state), (k, k_state), (v, v_state) = (
-        conv(c, ref) for c, ref in enumerate((qw_ref, kw_ref, vw_ref)))
+        conv(0, qw_ref, every), conv(1, kw_ref, every), conv(2, vw_ref, values))
 
     rank = fb_ref.shape[0]
 
-    def low_rank(first: int, up_ref):  # round(low [R] @ up[:, head, :] [R, K])
+    def low_rank(first: int, up):  # round(low [R] @ up [R, columns])
         low = low_ref[n, pl.ds(first, rank)].astype(f32)
-        return rounded(jnp.sum(low[:, None] * up_ref[:, head, :].astype(f32), axis=0))
+        return rounded(jnp.sum(low[:, None] * up.astype(f32), axis=0))
 
-    g = -jnp.exp(alog_ref[head]) * softplus(low_rank(0, fb_ref) + dtb_ref[head, :])
+    g = -jnp.exp(alog_ref[head]) * softplus(low_rank(0, fb_ref[:, head, :]) + dtb_ref[head, :])
     beta = rounded(jax.nn.sigmoid(low_ref[n, 2 * rank + head].astype(f32)))
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS)
     k = k * lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
 
-    state = jnp.where(live, pool_ref[row, head, :, :].astype(f32), 0.0)  # [V, K]
+    state = jnp.where(live, pool_ref[row, head, values, :].astype(f32), 0.0)  # [block_v, K]
     decayed = state * jnp.exp(g)[None, :]
     error = beta * (v - jnp.sum(decayed * k[None, :], axis=1))
-    o = rounded(scale * (jnp.sum(decayed * q[None, :], axis=1) + jnp.sum(q * k) * error))
-    normed = o * lax.rsqrt(jnp.mean(o * o) + eps)
-    gate = jax.nn.sigmoid(low_rank(rank, gb_ref))
-    out_ref[n, head, :] = (normed * onorm_ref[...].astype(f32) * gate).astype(dtype)
+    o_ref[n, head, values] = rounded(
+        scale * (jnp.sum(decayed * q[None, :], axis=1) + jnp.sum(q * k) * error))
+    gate_ref[n, head, values] = jax.nn.sigmoid(low_rank(rank, gb_ref[:, head, values]))
 
     @pl.when(live)
     def _():
-        pool_out_ref[row, head, :, :] = (decayed + error[:, None] * k[None, :]).astype(
+        pool_out_ref[row, head, values, :] = (decayed + error[:, None] * k[None, :]).astype(
             pool_out_ref.dtype)
-        for channel, rows in enumerate((q_state, k_state, v_state)):
-            for i, value in enumerate(rows):
-                conv_out_ref[row, i, head, channel, :] = value.astype(conv_out_ref.dtype)
+        for i, value in enumerate(v_state):
+            conv_out_ref[row, i, head, 2, values] = value.astype(conv_out_ref.dtype)
+
+    arrived = count_in(arrivals_ref, n * pl.num_programs(0) + head, compiled=compiled)
+
+    # the (request, head)'s last program: every program has written its rows of o and read the
+    # old q and k conv rows (each computes q and k whole; the pool is updated in place)
+    @pl.when(arrived == pl.num_programs(2) - 1)
+    def _():
+        load = shared_load(compiled=compiled)
+        o, gate = load(o_ref.at[n, head, :]), load(gate_ref.at[n, head, :])
+        normed = o * lax.rsqrt(jnp.mean(o * o) + eps)
+        out_ref[n, head, :] = (normed * onorm_ref[...].astype(f32) * gate).astype(dtype)
+
+        @pl.when(live)
+        def _():
+            for channel, rows in ((0, q_state), (1, k_state)):
+                for i, value in enumerate(rows):
+                    conv_out_ref[row, i, head, channel, every] = value.astype(
+                        conv_out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "scale", "num_warps", "interpret"),
+@functools.partial(jax.jit, static_argnames=("eps", "scale", "block_v", "num_warps", "interpret"),
                    donate_argnames=("conv_pool", "state_pool"))
 def kda_decode_step_pallas(mixed, low, weights: StepWeights, conv_pool, state_pool, slots, *,
-                           eps: float, scale: float | None = None, num_warps: int = 4,
-                           interpret: bool | None = None) -> tuple:
-    """The step as one Pallas call (module docstring); returns (out, conv pool, state pool)."""
+                           eps: float, scale: float | None = None, block_v: int | None = None,
+                           num_warps: int = 4, interpret: bool | None = None) -> tuple:
+    """The step as one Pallas call (module docstring); returns (out, conv pool, state pool).
+    ``block_v``: value rows per program (None: ``value_block``'s choice for N requests)."""
+    interpret = pallas_backend.resolve_interpret(interpret)
     n, h, k, rank, width = _check(mixed, low, weights, conv_pool, state_pool, slots)
     problem = step_problem(head_dim=k, rank=rank)
+    block_v = value_block(n, k) if block_v is None else block_v
+    if problem is None:
+        problem = block_problem(block_v, k, compiled=not interpret)
     if problem is not None:
         raise ValueError(f"the KDA decode step kernel cannot run this shape: {problem}")
     pool_rows = conv_pool.shape[0]
     kernel = functools.partial(_step_kernel, width=width,
-                               scale=k**-0.5 if scale is None else float(scale), eps=float(eps))
+                               scale=k**-0.5 if scale is None else float(scale), eps=float(eps),
+                               block_v=block_v, compiled=not interpret)
     conv_weights = [getattr(weights, f"{c}_conv").reshape(h, k, width) for c in "qkv"]
     operands = (slots.astype(jnp.int32), mixed, low, *conv_weights,
                 weights.f_b_proj, weights.g_b_proj, weights.A_log.astype(jnp.float32),
                 weights.dt_bias.astype(jnp.float32), weights.o_norm,
-                conv_pool.reshape(pool_rows, width - 1, h, 3, k), state_pool)
-    out, conv_pool, state_pool = pl.pallas_call(
+                conv_pool.reshape(pool_rows, width - 1, h, 3, k), state_pool,
+                jnp.zeros((n * h,), jnp.int32))
+    halves = jax.ShapeDtypeStruct((n, h, k), jnp.float32)  # o and the gate, before the norm
+    out, conv_pool, state_pool, _, _, _ = pl.pallas_call(
         kernel,
-        grid=(h, n),
+        grid=(h, n, k // block_v),
         out_shape=[jax.ShapeDtypeStruct((n, h, k), mixed.dtype),
-                   jax.ShapeDtypeStruct(operands[-2].shape, conv_pool.dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
-        input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
+                   jax.ShapeDtypeStruct(operands[-3].shape, conv_pool.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype), halves, halves,
+                   jax.ShapeDtypeStruct((n * h,), jnp.int32)],
+        input_output_aliases={len(operands) - 3: 1, len(operands) - 2: 2, len(operands) - 1: 5},
         compiler_params=pallas_backend.compiler_params(num_warps=num_warps, num_stages=1),
-        interpret=pallas_backend.resolve_interpret(interpret),
+        interpret=interpret,
         name="kda_decode_step",
     )(*operands)
     return out, conv_pool.reshape(pool_rows, width - 1, 3 * h * k), state_pool

@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from tokenspeed_jax.kernels import pallas_backend
+from tokenspeed_jax.kernels.arrivals import count_in, shared_load
 from tokenspeed_jax.kernels.kernel_math import is_power_of_2, power_of_2_parts
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
@@ -216,16 +216,11 @@ def _route_kernel(x_ref, gate_ref, bias_ref, _arrivals_in, partials_ref, arrival
     gate = gate_ref[depth]  # [block_k, E] or [block_k, G, E / G]
     partials_ref[split, token] = jnp.sum(row[(slice(None),) + (None,) * (gate.ndim - 1)] * gate,
                                          axis=0)
-    if compiled:  # every thread's store precedes the arrival (interpreted: one program at a time)
-        plgpu.debug_barrier()
-    arrived = plgpu.atomic_add(arrivals_ref, token, jnp.int32(1))  # acquire-release, GPU scope
+    arrived = count_in(arrivals_ref, token, compiled=compiled)
 
     @pl.when(arrived == splits - 1)  # the token's last program: every partial sum is written
     def _():
-        # volatile: read from L2, not from this SM's L1 (which other SMs' stores never update)
-        load = functools.partial(plgpu.load, volatile=True) if compiled else (
-            lambda ref: ref[...])
-        logits = _summed_partials(partials_ref, token, load)
+        logits = _summed_partials(partials_ref, token, shared_load(compiled=compiled))
         experts_ref[token], weights_ref[token] = _choose(logits, bias_ref[...],
                                                          experts_ref.shape[1], routing)
 
