@@ -30,8 +30,8 @@ from tokenspeed_jax.graph.guard import disarm_all
 
 # Modules taking a minute or more on the 2-core CPU, slowest first (`--durations` shows new ones).
 SLOWEST_FIRST = (
-    "test_kimi_runner.py", "test_llm.py", "test_compile_cache.py", "test_tensor_parallel_kimi.py",
-    "test_model_runner.py", "test_kda.py", "test_kimi_engine.py", "test_dummy_weights.py",
+    "test_kimi_runner.py", "test_llm.py", "test_compile_cache.py", "test_model_runner.py",
+    "test_kda.py", "test_dummy_weights.py", "test_tensor_parallel_kimi.py", "test_kimi_engine.py",
     "test_refactor_pins.py", "test_server_smollm2.py", "test_deepseek_v3.py",
     "test_tensor_parallel.py", "test_kimi_linear.py",
 )

@@ -1,6 +1,10 @@
 """ModelRunner: the inline-KDA segmented route, the ordinary route (KDA at a break) and the decode
 route match the eager plan with the pure-JAX KDA reference, on outputs and on the whole state
-pool (checkpoints included); padded requests and tokens never write a pool row or a page."""
+pool (checkpoints included); padded requests and tokens never write a pool row or a page.
+
+The eager reference runs op by op, and each new step size (tokens, requests, sampled rows)
+compiles its ops again (seconds each on a CPU): where a test's point allows it, its batch has the
+size of an earlier test's reference step, so that step's compiled ops serve it."""
 
 from __future__ import annotations
 
@@ -390,10 +394,10 @@ def test_a_step_of_more_requests_than_the_largest_bucket_runs_in_groups_of_whole
         runner):
     """Three prompts with a largest request bucket of 2 run as two compiled prefill groups (one
     request split counted), no request cut and nothing eager, with the tokens and the whole pool
-    of the eager reference step of all three."""
+    of the eager reference step of all three (9, 40 and 1 tokens: the mixed step's size)."""
     long, short = prompts(9)
-    three = [request("a", long, 0, 0, slot=1), request("b", short, 0, 8, slot=3),
-             request("c", short[:30], 0, 16, slot=5)]
+    three = [request("a", long[:9], 0, 0, slot=1), request("b", short, 0, 8, slot=3),
+             request("c", short[:1], 0, 16, slot=5)]
     pools = noisy_pools(runner, 13)
     before = dict(runner.stats())
     stepped = run(runner, pools, "step", three)
@@ -470,7 +474,7 @@ def test_disable_switch_compiles_only_the_ordinary_route():
     runner = ModelRunner(checkpoint.model, config, num_pages=8, num_state_slots=2, page_size=PAGE)
     summary = runner.compile_all()
     assert not any(label.startswith("inline") for label in summary.seconds_per_label)
-    tokens = np.random.default_rng(4).integers(3, 256, 30)
+    tokens = np.random.default_rng(4).integers(3, 256, 40)  # the padded test's step size
     batch = [request("a", tokens, 0, 0, slot=0)]
     assert runner.route(batch) == "ordinary"
     pools = noisy_pools(runner, 4)
@@ -478,17 +482,18 @@ def test_disable_switch_compiles_only_the_ordinary_route():
 
 
 def test_a_model_without_kda_layers_runs_with_nothing_to_restore(runner):
-    """Only MLA layers: no KDA state pools and no restore executable; compiled == eager."""
+    """Only MLA layers: no KDA state pools and no restore executable; compiled == eager (on
+    the prefill test's two requests, one checkpointing)."""
     config = dataclasses.replace(runner.model_config, num_hidden_layers=2,
                                  layer_types=(MLA, MLA))
     with runner.guard.allowed("random weights of a second model"):
         model = KimiLinearForCausalLM(config, rngs=nnx.Rngs(3))
-    mla_only = ModelRunner(model, CONFIG, num_pages=24, num_state_slots=2, page_size=PAGE)
+    mla_only = ModelRunner(model, CONFIG, num_pages=24, num_state_slots=3, page_size=PAGE)
     summary = mla_only.compile_all()
     assert mla_only.state_pools == () and mla_only.restore_plan is None
     assert not any(label.startswith("restore") for label in summary.seconds_per_label)
-    prompt, _ = prompts(5)
-    requests = [request("a", prompt, 0, 1, 0, checkpoint=1)]
+    long, short = prompts(5)
+    requests = [request("a", long, 0, 1, 0, checkpoint=1), request("b", short, 0, 9, 2)]
     pools = noisy_pools(mla_only, 6)
     assert_same(run(mla_only, pools, "inline", requests), run(mla_only, pools, "eager", requests))
     mla_only.guard.disarm()
@@ -496,9 +501,10 @@ def test_a_model_without_kda_layers_runs_with_nothing_to_restore(runner):
 
 def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
     """Background compile: of token buckets (32, 64, 128) the skeleton compiles 32 and 128
-    before serving. A 50-token step runs in the 128-token plans until the deferred compile has
-    added 64, then in those; tokens and pools are the eager reference's either way, and
-    nothing compiles on the step's path. (The ordinary route alone: half the compiles.)"""
+    before serving. A 40-token step (the padded test's) runs in the 128-token plans until the
+    deferred compile has added 64, then in those; tokens and pools are the eager reference's
+    either way, and nothing compiles on the step's path. (The ordinary route alone: half the
+    compiles.)"""
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
     config = dataclasses.replace(CONFIG, prefill_graph_capture_token_sizes=(32, 64, 128),
                                  disable_kda_prefill_graph=True, background_compile=True)
@@ -506,8 +512,8 @@ def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
                         page_size=PAGE)
     ladder.compile_all(start_background=False)
     try:
-        long, short = prompts(6)
-        batch = [request("a", long[:20], 0, 0, slot=1), request("b", short[:30], 0, 8, slot=3)]
+        _, short = prompts(6)
+        batch = [request("b", short, 0, 8, slot=3)]
         pools = noisy_pools(runner, 8)
         expected = run(runner, pools, "eager", batch)
         assert ladder.ready.tokens == (32, 128) and ladder.prefill_bucket(batch) == (128, 2)
@@ -516,7 +522,7 @@ def test_serves_from_a_skeleton_while_the_ladder_compiles(runner):
         assert ladder.ready == ladder.buckets and ladder.prefill_bucket(batch) == (64, 2)
         assert_same(run(ladder, pools, "step", batch), expected)
         stats = ladder.stats()
-        assert stats["ordinary_runs"] == 2 and stats["padded_tokens"] == (128 - 50) + (64 - 50)
+        assert stats["ordinary_runs"] == 2 and stats["padded_tokens"] == (128 - 40) + (64 - 40)
         assert stats["runtime_compiles"] == 0
         assert (stats["buckets_ready"], stats["buckets_total"]) == (5, 5)
     finally:

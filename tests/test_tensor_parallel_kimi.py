@@ -11,10 +11,12 @@ The tiny Kimi checkpoint has 2 heads (KDA and MLA) and 8 experts: at tp=2 the en
 tokens and per-step log-probabilities must be HF's, and tp=4 is an error naming the head count.
 tp=4 runs on a 4-head variant with random weights written here in the checkpoint format
 (``kimi_weight_map`` gives every tensor's name and shape), on 4 of the 7 layers (each layer kind
-and each pair of neighbouring kinds kept). Each engine start-up compiles 16 executables (the
-4-layer variant 14) at one 16-token prefill bucket (~30 s on 2 cores), so the worker builds
-only two engines: tp=4 on the 4-head variant is checked against the plain reference forward
-(``LLM.logits``) over its prompts and tokens.
+and each pair of neighbouring kinds kept). Each engine start-up compiles at one 16-token
+prefill bucket, so the worker builds only two engines, and each prefill route runs sharded:
+tp=2 compiles and prefills on the ordinary route alone (``disable_kda_prefill_graph``: a
+quarter of the compile of both routes on 7 layers, whose inline segments each hold their KDA
+kernels), tp=4 compiles both routes and prefills on the inline one. tp=4 on the 4-head variant is checked
+against the plain reference forward (``LLM.logits``) over its prompts and tokens.
 """
 
 from __future__ import annotations
@@ -92,13 +94,14 @@ def _served_text(llm) -> str:
         engine.shutdown()
 
 
-def _generate(path: Path, tp: int, *, golden: bool = False) -> dict:
+def _generate(path: Path, tp: int, *, golden: bool = False, **options) -> dict:
     """Greedy runs of ``PROMPTS`` (or with ``golden``, of the golden prompts, plus one request
-    through the server and the reference forward's logits of the first golden prompt)."""
+    through the server and the reference forward's logits of the first golden prompt), on an
+    engine of ``ENGINE`` with ``options``."""
     from tokenspeed_jax import LLM, SamplingParams
 
     data = np.load(GOLDEN / "tiny_kimi.npz")
-    llm = LLM(str(path), tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(str(path), tensor_parallel_size=tp, **{**ENGINE, **options})
     prompts = data["prompt_ids"].tolist() if golden else list(PROMPTS)
     max_tokens = data["greedy_ids"].shape[1] if golden else 6
     completions = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -108,7 +111,8 @@ def _generate(path: Path, tp: int, *, golden: bool = False) -> dict:
     result = {
         "steps": [step_logprobs(c) for c in completions],
         "runtime_compiles": llm.stats()["runtime_compiles"],
-        "routes": {r: llm.stats()[f"{r}_runs"] for r in ("prefill", "decode", "eager")},
+        "routes": {r: llm.stats()[f"{r}_runs"]
+                   for r in ("prefill", "ordinary", "decode", "eager")},
         "shards": {
             "state": list(runner.pools["state.0"].addressable_shards[0].data.shape),
             "conv": list(runner.pools["conv.0"].addressable_shards[0].data.shape),
@@ -207,7 +211,7 @@ def _worker(mode: str) -> dict:
 
         with tempfile.TemporaryDirectory() as directory:
             tiny, wide = tiny_kimi(Path(directory) / "tiny_kimi"), _wide_kimi(Path(directory))
-            return {"tiny": _generate(tiny, 2, golden=True),
+            return {"tiny": _generate(tiny, 2, golden=True, disable_kda_prefill_graph=True),
                     "wide": _generate(wide, 4),
                     "tiny_tp4_error": _tp_error(tiny, 4)}
     if mode == "decode":
@@ -277,10 +281,13 @@ def test_kimi_tp4_matches_the_reference_forward_on_four_heads(kimi):
 
 
 def test_kimi_sharded_runs_take_the_compiled_routes_and_compile_nothing(kimi):
+    """tp=2 prefills on the ordinary route (KDA kernel at a break), tp=4 on the inline one."""
     for run in (kimi["tiny"], kimi["wide"]):
         assert run["runtime_compiles"] == 0
         assert run["routes"]["prefill"] > 0 and run["routes"]["decode"] > 0
         assert run["routes"]["eager"] == 0
+    assert kimi["tiny"]["routes"]["ordinary"] == kimi["tiny"]["routes"]["prefill"]
+    assert kimi["wide"]["routes"]["ordinary"] == 0
     assert kimi["tiny"]["runtime_compiles_after_serving"] == 0
 
 
