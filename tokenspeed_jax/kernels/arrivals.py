@@ -6,8 +6,8 @@ reads every share back to finish the work (routing's choice, the KDA step's outp
 
 Invariants:
 
-* The counters are a fresh int32 zeros array each call, aliased input to output, so every
-  call starts at zero; a group's counter ends the call at the group's size.
+* The counters are ``fresh_counters``' zeros, made anew for each call and aliased input to
+  output, so every call starts at zero; a group's counter ends the call at the group's size.
 * ``count_in`` orders a program's stores before its arrival: a barrier of the program's
   threads, then an acquire-release atomic add at GPU scope (Triton's default for
   ``plgpu.atomic_add``). The last arriver must read the shares with ``shared_load`` (volatile:
@@ -24,6 +24,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
+
+
+def fresh_counters(groups: int) -> jax.Array:
+    """A call's arrival counters, all zero: the operand to alias to the kernel's counter output."""
+    return jnp.zeros((groups,), jnp.int32)
 
 
 def count_in(arrivals_ref, group, *, compiled: bool) -> jax.Array:

@@ -23,21 +23,22 @@ Two implementations, chosen by a ``StepKernel``:
   reads the old rows and writes the new ones with no other program touching them (the pools are
   updated in place). Each program stores its rows of o and of the output gate; the norm over V
   needs every row, so the (request, head)'s last program to finish does it (``kernels.arrivals``:
-  a counter per (request, head), a fresh zeros array each call) and writes the output. Every
-  program reads the old q and k conv rows (q and k are whole in each), so the last one also
-  writes their new rows, once all have read them. At small batches the
-  head is split into 32-row blocks (``value_block``): more programs start their state reads at
-  once; beyond, one program takes the whole head. Where the unfused step runs ten or so XLA
-  kernels around the recurrent one (the conv, the q/k/v split, two low-rank products, the gate
-  and beta, the gated norm, the conv-state scatter), this is one launch. It reads ``mixed`` and
-  ``low`` whole, so the products that make them need no split into copies.
+  a counter per (request, head)) and writes the output. Every program reads the old q and k conv
+  rows (q and k are whole in each), so the last one also writes their new rows, once all have
+  read them. At small batches the head is split into 32-row blocks (``value_block``): more
+  programs start their state reads at once; beyond, one program takes the whole head. Where the
+  unfused step runs ten or so XLA kernels around the recurrent one (the conv, the q/k/v split,
+  two low-rank products, the gate and beta, the gated norm, the conv-state scatter), this is one
+  launch. It reads ``mixed`` and ``low`` whole, so the products that make them need no split
+  into copies.
 * ``kda_decode_step_reference``: plain JAX from the pieces the prefill uses (``short_conv_pool``,
   ``kda_gate``, ``recurrent_kda_reference``, ``gated_rms_norm``).
 
 Invariants: a request with ``slots[n] < 0`` is padding (zero states in, no pool row written;
 its output is computed and meaningless); slots in one call are distinct; the pools are donated.
 The kernel takes shapes whose K (= V) and R are powers of 2 (``step_problem``) and blocks of
-32 to K value rows, and raises on others; ``choose_step_kernel`` picks it on GPUs only, so nothing falls back at run time.
+32 to K value rows (``block_problem``), and raises on others; ``choose_step_kernel`` picks it on
+GPUs only, so nothing falls back at run time.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.arrivals import count_in, shared_load
+from tokenspeed_jax.kernels.arrivals import count_in, fresh_counters, shared_load
 from tokenspeed_jax.kernels.kda_ref import (
     L2NORM_EPS,
     STATE_DTYPES,
@@ -71,8 +72,8 @@ from tokenspeed_jax.kernels.paged_attention_backend import (
 )
 from tokenspeed_jax.kernels.short_conv import head_major_weight, short_conv_pool
 
-__all__ = ["StepKernel", "StepWeights", "block_problem", "choose_step_kernel", "kda_decode_step_pallas",
-           "kda_decode_step_reference", "step_problem", "value_block"]
+__all__ = ["StepKernel", "StepWeights", "block_problem", "choose_step_kernel",
+           "kda_decode_step_pallas", "kda_decode_step_reference", "step_problem", "value_block"]
 
 
 @jax.tree_util.register_dataclass
@@ -91,8 +92,9 @@ class StepWeights:
 
 
 # Value rows per program: the smallest compiled block that computes correctly (16-row blocks gave
-# wrong states on an H200, jax 0.11.2; interpreted, any power of 2 runs), and the block at up to SPLIT_MAX_REQUESTS requests, where more
-# programs read the state sooner (one Kimi-Linear layer at batch 1: 7.9 us against 8.8 whole).
+# wrong states on an H200, jax 0.11.2; interpreted, any power of 2 runs), and the block at up to
+# SPLIT_MAX_REQUESTS requests, where more programs read the state sooner (one Kimi-Linear layer,
+# 2 rows: 7.2 us against 10.1 whole; at 8 rows whole heads are faster, 15.0 against 17.6).
 MIN_BLOCK_V = 32
 SPLIT_MAX_REQUESTS = 2
 
@@ -279,7 +281,7 @@ def kda_decode_step_pallas(mixed, low, weights: StepWeights, conv_pool, state_po
                 weights.f_b_proj, weights.g_b_proj, weights.A_log.astype(jnp.float32),
                 weights.dt_bias.astype(jnp.float32), weights.o_norm,
                 conv_pool.reshape(pool_rows, width - 1, h, 3, k), state_pool,
-                jnp.zeros((n * h,), jnp.int32))
+                fresh_counters(n * h))
     halves = jax.ShapeDtypeStruct((n, h, k), jnp.float32)  # o and the gate, before the norm
     out, conv_pool, state_pool, _, _, _ = pl.pallas_call(
         kernel,

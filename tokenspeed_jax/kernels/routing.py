@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from tokenspeed_jax.kernels import pallas_backend
-from tokenspeed_jax.kernels.arrivals import count_in, shared_load
+from tokenspeed_jax.kernels.arrivals import count_in, fresh_counters, shared_load
 from tokenspeed_jax.kernels.kernel_math import is_power_of_2, power_of_2_parts
 from tokenspeed_jax.kernels.paged_attention_backend import (
     PALLAS,
@@ -258,7 +258,7 @@ def route_pallas(x: jax.Array, gate: jax.Array, bias: jax.Array, *, routing: Rou
         interpret=interpret,
         name="router",
     )(x, gate.astype(jnp.float32).reshape(hidden, *grouped),
-      bias.astype(jnp.float32).reshape(grouped), jnp.zeros((num_tokens,), jnp.int32))
+      bias.astype(jnp.float32).reshape(grouped), fresh_counters(num_tokens))
     return experts[:, :routing.top_k], weights[:, :routing.top_k]
 
 
