@@ -366,7 +366,7 @@ def test_every_kimi_parameter_has_a_rule_that_splits_evenly(tp):
     config = KimiLinearConfig.from_hf(raw)
     state = nnx.state(abstract_model(config, "float32"))
     split = splits_by_name(state, lambda name: param_spec(name, config, tp), tp)
-    replicated = {"f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
+    replicated = {"low_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
                   "e_score_correction_bias", "weight"}
     assert {n for n, s in split.items() if not s} == replicated
     with pytest.raises(ValueError, match="no tensor-parallel rule for Kimi Linear parameter"):

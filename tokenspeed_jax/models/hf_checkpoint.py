@@ -26,12 +26,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class WeightEntry(NamedTuple):
     """Where one checkpoint tensor goes: state path, checkpoint shape, layout change, and for a
-    per-expert tensor its row in the stacked ``[E, ...]`` parameter (a ``fill_state`` entry)."""
+    tensor that fills only part of its parameter the index of that part (numpy-style: a
+    per-expert tensor's row ``e`` of a stacked ``[E, ...]`` parameter, or a column range
+    ``np.s_[:, a:b]`` of parameters stored side by side; a ``fill_state`` entry)."""
 
     path: tuple[str | int, ...]
     hf_shape: tuple[int, ...]
     transform: Any
-    expert: int | None = None
+    part: Any = None
 
 
 def read_json(path: Path) -> Any:
@@ -87,10 +89,11 @@ def fill_state(
     """Fill an abstract NNX ``state`` in place from (checkpoint name, array) pairs.
 
     ``weight_map`` maps a checkpoint name to an entry with ``path``, ``hf_shape``, ``transform``
-    and, for one expert of a stacked ``[E, ...]`` parameter, ``expert`` (its index; absent or
-    None otherwise). ``place(path, value, dtype)`` makes the device array (on the parameter's
-    sharding). Shapes, duplicates, unused tensors (unless ``ignored``) and unfilled parameters
-    are errors naming the tensor (``check_tensor``, ``check_all_used``).
+    and, for a tensor filling part of its parameter, ``part`` (the part's index; absent or
+    None otherwise): the parts are gathered on the host and the parameter placed once.
+    ``place(path, value, dtype)`` makes the device array (on the parameter's sharding). Shapes,
+    duplicates, unused tensors (unless ``ignored``) and unfilled parameters are errors naming
+    the tensor (``check_tensor``, ``check_all_used``).
     """
     values = state.to_pure_dict()
     filled: set[str] = set()
@@ -105,13 +108,13 @@ def fill_state(
         check_tensor(source, name, array.shape, entry.hf_shape, filled)
         node, leaf = leaf_holder(values, entry.path)
         value = entry.transform(np.asarray(array))
-        expert = getattr(entry, "expert", None)
-        if expert is None:
+        part = getattr(entry, "part", None)
+        if part is None:
             node[leaf] = place(entry.path, value, node[leaf].dtype)
         else:
             if entry.path not in stacks:
                 stacks[entry.path] = np.empty(node[leaf].shape, value.dtype)
-            stacks[entry.path][expert] = value
+            stacks[entry.path][part] = value
         filled.add(name)
     check_all_used(source, model_type, unused, weight_map, filled)
     for path, stacked in stacks.items():

@@ -5,7 +5,7 @@ One KDA layer, on the normed hidden ``x [T, D]`` of a packed batch (requests del
 
     q, k, v  = silu(short_conv(x @ {q,k,v}_proj))        conv state: conv pool [P, W - 1, H 3 K]
     g        = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)    (float32, log-space decay)
-    beta     = sigmoid(x @ b_proj)
+    beta     = sigmoid(x @ b)
     o        = KDA(l2norm(q), l2norm(k), v, g, beta)      recurrent state: pool [P, H, V, K]
                                                          (transposed; fp32 or bf16)
     out      = o_proj(rmsnorm(o) * sigmoid(g_b(g_a(x))))   (the gated norm runs per head, fp32)
@@ -29,9 +29,10 @@ Invariants:
   ``step_kernel`` is the Pallas one (``kernels.kda_decode_step``; chosen on GPUs): the conv,
   gate, beta, recurrence, gated norm and both pools' rows. Elsewhere decode runs ``inputs``,
   the recurrent kernel and ``outputs``, the route the kernel is checked against.
-* Weight layouts: ``{q,k,v}_proj [D, H, K]``, ``{q,k,v}_conv [H K, W]``, ``f_a_proj [D, K]``,
-  ``f_b_proj [K, H, K]``, ``dt_bias [H, K]`` and ``A_log [H]`` (float32), ``b_proj [D, H]``,
-  ``g_a_proj [D, K]``, ``g_b_proj [K, H, K]``, ``o_norm [K]``, ``o_proj [H, K, D]``.
+* Weight layouts: ``{q,k,v}_proj [D, H, K]``, ``{q,k,v}_conv [H K, W]``, ``low_proj [D, 2 K +
+  H]`` (the checkpoint's ``f_a``, ``g_a`` and ``b`` side by side, so one product reads all three
+  with no copy), ``f_b_proj [K, H, K]``, ``dt_bias [H, K]`` and ``A_log [H]`` (float32),
+  ``g_b_proj [K, H, K]``, ``o_norm [K]``, ``o_proj [H, K, D]``.
 """
 
 from __future__ import annotations
@@ -176,12 +177,10 @@ class KimiDeltaAttention(nnx.Module):
         self.q_conv = normal_param(rngs, (h * k, conv_size), param_dtype)
         self.k_conv = normal_param(rngs, (h * k, conv_size), param_dtype)
         self.v_conv = normal_param(rngs, (h * k, conv_size), param_dtype)
-        self.f_a_proj = normal_param(rngs, (hidden, k), param_dtype)
+        self.low_proj = normal_param(rngs, (hidden, 2 * k + h), param_dtype)
         self.f_b_proj = normal_param(rngs, (k, h, k), param_dtype)
         self.dt_bias = nnx.Param(jnp.zeros((h, k), jnp.float32))
         self.A_log = nnx.Param(jnp.zeros((h,), jnp.float32))
-        self.b_proj = normal_param(rngs, (hidden, h), param_dtype)
-        self.g_a_proj = normal_param(rngs, (hidden, k), param_dtype)
         self.g_b_proj = normal_param(rngs, (k, h, k), param_dtype)
         self.o_norm = nnx.Param(jnp.ones((k,), param_dtype))
         self.o_proj = normal_param(rngs, (h, k, hidden), param_dtype)
@@ -198,10 +197,8 @@ class KimiDeltaAttention(nnx.Module):
         """Normed hidden [T, D] -> ([q, k, v] projections [T, H, K], (f_low [T, K], gate_low
         [T, K], beta logits [T, H]))."""
         qkv = [linear("TD,DHK->THK", x, getattr(self, f"{n}_proj"), self.dtype) for n in "qkv"]
-        low = (linear("TD,DK->TK", x, self.f_a_proj, self.dtype),
-               linear("TD,DK->TK", x, self.g_a_proj, self.dtype),
-               linear("TD,DH->TH", x, self.b_proj, self.dtype))
-        return qkv, low
+        low = linear("TD,DR->TR", x, self.low_proj, self.dtype)
+        return qkv, tuple(jnp.split(low, [self.head_dim, 2 * self.head_dim], axis=1))
 
     def inputs(self, x: jax.Array, conv_pool: jax.Array, meta: KdaMeta, *,
                decode: bool = False) -> tuple:
@@ -237,17 +234,15 @@ class KimiDeltaAttention(nnx.Module):
         token per request -> (out [N, D], conv pool, state pool).
 
         Two products feed the kernel, each read whole: ``x @ [q | k | v]`` (XLA reads the three
-        weights' concatenation inside its product, no copy) and ``x @ [f_a | g_a | b]`` (a copy
-        of 2 R + H columns a step). The second takes ``x`` through an optimization barrier: XLA
-        would otherwise merge the two products and copy their five weights side by side, every
-        step (58 MB a layer at Kimi-Linear's shape)."""
+        weights' concatenation inside its product, no copy) and ``x @ low_proj``. The second
+        takes ``x`` through an optimization barrier: XLA would otherwise merge the two products
+        and copy their weights side by side, every step (58 MB a layer at Kimi-Linear's
+        shape)."""
         (tokens, hidden), h, k = x.shape, self.num_heads, self.head_dim
         qkv_proj = jnp.concatenate(
             [getattr(self, f"{n}_proj")[...].reshape(hidden, h * k) for n in "qkv"], axis=1)
         mixed = linear("TD,DC->TC", x, qkv_proj, self.dtype).reshape(tokens, 3, h, k)
-        low_proj = jnp.concatenate([self.f_a_proj[...], self.g_a_proj[...], self.b_proj[...]],
-                                   axis=1)
-        low = linear("TD,DR->TR", jax.lax.optimization_barrier(x), low_proj, self.dtype)
+        low = linear("TD,DR->TR", jax.lax.optimization_barrier(x), self.low_proj, self.dtype)
         gated, conv_pool, state_pool = kda_decode_step_pallas(
             mixed, low, self.step_weights(), conv_pool, state_pool,
             jnp.asarray(slots, jnp.int32), eps=self.norm_eps,

@@ -405,12 +405,13 @@ def kimi_weight_map(config: KimiLinearConfig) -> dict[str, KimiWeight]:
                 entries[attn + f"{name}_conv1d.weight"] = (
                     at + (f"{name}_conv",), (h * k, 1, width), lambda w: w[:, 0, :])
             entries.update({
-                attn + "f_a_proj.weight": (at + ("f_a_proj",), (k, d), _t),
+                # f_a, g_a and b side by side in one parameter (``layers`` invariants)
+                attn + "f_a_proj.weight": (at + ("low_proj",), (k, d), _t, np.s_[:, :k]),
+                attn + "g_a_proj.weight": (at + ("low_proj",), (k, d), _t, np.s_[:, k:2 * k]),
+                attn + "b_proj.weight": (at + ("low_proj",), (h, d), _t, np.s_[:, 2 * k:]),
                 attn + "f_b_proj.weight": (at + ("f_b_proj",), (h * k, k), heads_in(h, k, k)),
                 attn + "dt_bias": (at + ("dt_bias",), (h * k,), lambda w: w.reshape(h, k)),
                 attn + "A_log": (at + ("A_log",), (1, 1, h, 1), lambda w: w.reshape(h)),
-                attn + "b_proj.weight": (at + ("b_proj",), (h, d), _t),
-                attn + "g_a_proj.weight": (at + ("g_a_proj",), (k, d), _t),
                 attn + "g_b_proj.weight": (at + ("g_b_proj",), (h * k, k), heads_in(h, k, k)),
                 attn + "o_norm.weight": (at + ("o_norm",), (k,), _same),
                 attn + "o_proj.weight": (at + ("o_proj",), (d, h * k), heads_out(h, k)),

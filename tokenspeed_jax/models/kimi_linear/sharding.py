@@ -1,9 +1,10 @@
 """Tensor-parallel rules of Kimi Linear over ``parallel.AXIS``.
 
 * KDA layers, split by head: ``{q,k,v}_proj [D, H, K]``, ``f_b_proj``/``g_b_proj [K, H, K]``,
-  ``dt_bias [H, K]``, ``A_log [H]``, ``b_proj [D, H]``, the depthwise ``{q,k,v}_conv [H K, W]``
-  (head-major rows) and ``o_proj [H, K, D]`` (row parallel); the low-rank ``f_a_proj``,
-  ``g_a_proj`` and ``o_norm`` are replicated. The state pool ``[P, H, V, K]`` is split by head,
+  ``dt_bias [H, K]``, ``A_log [H]``, the depthwise ``{q,k,v}_conv [H K, W]`` (head-major rows)
+  and ``o_proj [H, K, D]`` (row parallel); ``low_proj [D, 2 K + H]`` (the low-rank ``f_a`` and
+  ``g_a`` and the H columns of ``b`` side by side: every device computes every head's beta
+  logits, a few columns) and ``o_norm`` are replicated. The state pool ``[P, H, V, K]`` is split by head,
   the conv pool ``[P, W - 1, 3 H K]`` over its channels, which are head-major (``[H, 3, K]``), so
   each device holds its own heads' q, k and v windows.
 * MLA layers, split by head: ``q_proj``/``q_b_proj [., H, n + r]``, ``kv_b_proj [R, H, n + v]``,
@@ -57,7 +58,6 @@ def param_spec(name: str, config: Any, size: int) -> PartitionSpec:
         **dict.fromkeys(("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj"), by_head),
         **dict.fromkeys(("q_conv", "k_conv", "v_conv", "dt_bias"), PartitionSpec(AXIS, None)),
         "A_log": PartitionSpec(AXIS),
-        "b_proj": PartitionSpec(None, AXIS),
         "o_proj": row,
         # MLA
         "q_b_proj": by_head,
@@ -65,7 +65,7 @@ def param_spec(name: str, config: Any, size: int) -> PartitionSpec:
         # MoE: experts split, router replicated; dense MLP and shared experts like Llama's
         **dict.fromkeys(("w1", "w2", "w3"), row),
         **SWIGLU_SPECS,
-        **dict.fromkeys(("f_a_proj", "g_a_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
+        **dict.fromkeys(("low_proj", "o_norm", "q_a_proj", "kv_a_proj", "gate",
                          "e_score_correction_bias", "weight"), PartitionSpec()),
     }
     if name not in specs:
