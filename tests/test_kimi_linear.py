@@ -149,15 +149,31 @@ def test_config_rejects_unsupported_variants(change, message):
         KimiLinearConfig.from_hf(raw)
 
 
-def test_checkpoint_with_a_missing_expert_tensor_is_rejected(tmp_path):
+@pytest.mark.parametrize("name", [
+    "model.layers.1.block_sparse_moe.experts.3.w2.weight",  # a row of a stacked parameter
+    "model.layers.3.self_attn.b_proj.weight",  # the columns of low_proj after f_a and g_a
+])
+def test_checkpoint_with_a_missing_tensor_is_rejected(tmp_path, name):
     from safetensors.numpy import load_file, save_file
 
     shutil.copy(GOLDEN / "tiny_kimi" / "config.json", tmp_path / "config.json")
     tensors = load_file(GOLDEN / "tiny_kimi" / "model.safetensors")
-    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    del tensors[name]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="experts.3.w2"):
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
         load_checkpoint(tmp_path, dtype="float32")
+
+
+def test_low_rank_gate_weights_are_stored_side_by_side():
+    from safetensors.numpy import load_file
+
+    tensors = load_file(GOLDEN / "tiny_kimi" / "model.safetensors")
+    checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
+    low_proj = np.asarray(checkpoint.model.layers[3].self_attn.low_proj[...])
+    prefix = "model.layers.3.self_attn."
+    want = np.concatenate([tensors[prefix + f"{name}_proj.weight"].T for name in ("f_a", "g_a", "b")],
+                          axis=1)
+    np.testing.assert_array_equal(low_proj, want.astype(np.float32))
 
 
 def test_grouped_router_picks_only_from_the_best_group():
