@@ -818,15 +818,22 @@ LADDER = dataclasses.replace(
     decode_graph_capture_batch_sizes=None, decode_graph_max_bs=8, background_compile=True)
 
 
-def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path, caplog):
+@pytest.fixture(scope="module")
+def ladder_cache(tmp_path_factory) -> str:
+    """An executable cache for LADDER runners: the first test below fills it, the third loads
+    the autotuned plans from it."""
+    return str(tmp_path_factory.mktemp("ladder"))
+
+
+def test_serves_from_the_skeleton_while_the_ladder_compiles(model, ladder_cache, caplog):
     """With background compile, ``compile_all`` returns once the skeleton is compiled. Driving
     the deferred compile one bucket plan at a time: every step takes the smallest ready bucket,
     with no compile on its path (strict guard) and the reference forward's tokens, log-probs and
     K/V; each rung is ready once all its plans are; and once the ladder is complete the same
-    requests pad less, with the same tokens. (A cache of its own: its deferred plans are not
-    in the cache.) A warm start on that cache loads the skeleton, serves, and loads the rest in
-    the background, compiling nothing."""
-    runner = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path)),
+    requests pad less, with the same tokens. (The ladder cache, which this test fills first: its
+    deferred plans are not in the cache.) A warm start on that cache loads the skeleton, serves,
+    and loads the rest in the background, compiling nothing."""
+    runner = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=ladder_cache),
                          64, PAGE)
     summary = runner.compile_all(start_background=False)
     try:
@@ -864,7 +871,7 @@ def test_serves_from_the_skeleton_while_the_ladder_compiles(model, tmp_path, cap
         runner.guard.disarm()
     # A warm start loads the skeleton's plans before it serves and the others in the background,
     # compiling nothing: the same tokens from the skeleton, then from the complete ladder.
-    warm = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path)), 64,
+    warm = ModelRunner(model, dataclasses.replace(LADDER, compile_cache_dir=ladder_cache), 64,
                        PAGE)
     with caplog.at_level(logging.INFO, logger="tokenspeed_jax.engine.ladders"):
         summary = warm.compile_all()
@@ -940,14 +947,16 @@ def test_quick_skeleton_serves_then_autotuned_plans_replace_it(model, tmp_path):
         assert warm.ready == warm.buckets and decode_weight_leaves(warm, 2) == stacked
 
 
-def test_prefill_and_sampler_plans_compile_untuned_beside_the_autotuned_ones(model, tmp_path):
+def test_prefill_and_sampler_plans_compile_untuned_beside_the_autotuned_ones(model,
+                                                                            ladder_cache):
     """With ``prefill_autotune`` off (a GPU's default) the encoders and the full sampler's plans
     are the quick compiler's (no autotuning: the option is in its cache key, and several
-    threads), the decode steps and heads the autotuned one's; each compiles its skeleton before
+    threads), the decode steps and heads the autotuned one's; each takes its skeleton before
     serving and the rest on a background thread of its own. Steps give the reference forward's
     tokens while both threads run and once the ladder is complete, with no compile on their
-    path; a warm start on the same cache compiles nothing."""
-    config = dataclasses.replace(LADDER, compile_cache_dir=str(tmp_path), prefill_autotune=False)
+    path; a warm start on the same cache compiles nothing. (The ladder cache: the autotuned
+    plans load from it, the quick compiler's plans compile, their key being new.)"""
+    config = dataclasses.replace(LADDER, compile_cache_dir=ladder_cache, prefill_autotune=False)
     runner = ModelRunner(model, config, 64, PAGE)
     runner.compile_all()
     try:

@@ -84,8 +84,8 @@ def _orbax_roundtrip(model: str, tp: int) -> dict:
 
 
 def _worker(mode: str, args: list[str]) -> dict:
-    if mode == "models":
-        return {model: {tp: _generate(model, tp, compile_cache=False) for tp in SIZES}
+    if mode == "models":  # args: an empty executable cache directory, which the runs fill
+        return {model: {tp: _generate(model, tp, compile_cache_dir=args[0]) for tp in SIZES}
                 for model in MODELS} | {"orbax": _orbax_roundtrip("tiny_llama", 4)}
     if mode == "cache":
         return _generate("tiny_llama", int(args[0]), compile_cache_dir=args[1])
@@ -103,8 +103,14 @@ def run_worker(*args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    return run_worker("models")
+def cache_dir(tmp_path_factory) -> Path:
+    """The executable cache the ``models`` worker fills, tiny_llama at tp=2 first."""
+    return tmp_path_factory.mktemp("executables")
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir) -> dict:
+    return run_worker("models", str(cache_dir))
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -141,9 +147,11 @@ def test_orbax_restores_straight_into_the_sharding(runs):
     assert runs["orbax"] == {"equal": True, "q_proj_devices": 4, "q_proj_shard": [64, 1, 16]}
 
 
-def test_sharded_executables_are_cached_across_processes(tmp_path):
-    first = run_worker("cache", "2", str(tmp_path))
-    second = run_worker("cache", "2", str(tmp_path))
+def test_sharded_executables_are_cached_across_processes(runs, cache_dir):
+    """The ``models`` worker's first start (tiny_llama, tp=2) compiled into an empty cache; a
+    second process starting the same engine loads every executable and compiles nothing."""
+    first = runs["tiny_llama"]["2"]
+    second = run_worker("cache", "2", str(cache_dir))
     assert first["compiled"] > 0 and first["loaded"] == 0
     assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
     assert second["steps"] == first["steps"]
