@@ -138,6 +138,25 @@ def test_random_weights_have_the_checkpoint_models_tree_and_follow_the_seed(fami
     assert np.std(np.asarray(first.embed_tokens[...], np.float32)) == pytest.approx(0.02, rel=0.1)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILY_CHECKPOINTS))
+def test_random_weights_share_the_checkpoint_models_executables(family):
+    """The executable cache key holds the model's structure, not how its weights were made: a
+    runner of random weights has the key of one of the checkpoint's (flax lists the two models'
+    variable metadata in different orders), so either start loads what the other compiled."""
+    import jax.numpy as jnp
+
+    from tokenspeed_jax.config import EngineConfig
+    from tokenspeed_jax.engine.runner import ModelRunner
+    from tokenspeed_jax.models.loader import load_checkpoint, random_model
+
+    real = load_checkpoint(GOLDEN / FAMILY_CHECKPOINTS[family], dtype="float32")
+    config = EngineConfig(max_model_len=64, compile_progress=False)
+    keys = [ModelRunner(model, config, num_pages=4, num_state_slots=1,
+                        page_size=16).cache_fingerprint()
+            for model in (real.model, random_model(real.config, dtype=jnp.float32, seed=3))]
+    assert keys[0] == keys[1]
+
+
 @pytest.mark.parametrize("checkpoint", ["tiny_llama", "tiny_tied"])
 def test_the_head_is_silent_past_a_smaller_tokenizer(checkpoint):
     """The head's weights of the ids a 100-id tokenizer lacks are zero (``lm_head`` columns, or

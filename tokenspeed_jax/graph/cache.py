@@ -19,7 +19,8 @@ without tracing (what ``executable_key`` hashes):
 * what the function reads besides its arguments: the values of its closure cells when they are
   plain scalars or strings or tuples of them (shapes, dtype names), and otherwise the caller's
   ``fingerprint`` (the model runner passes the model's NNX graph definition, which holds every
-  static attribute: config, dtypes, eps, the flax version, and ``classes_fingerprint`` of its
+  static attribute: config, dtypes, eps, in a form that is the same however the weights were
+  made (``models.forward.structure_key``), the flax version, and ``classes_fingerprint`` of its
   own and the model's classes, so a method replaced at run time is a different key). A bound
   method or a closure over anything else is only cached when a fingerprint is given. Not seen:
   a module-level function replaced at run time (monkeypatched) without a source change; turn

@@ -21,12 +21,15 @@ Invariants:
   padding row never writes a page or a state row.
 * Models sit below the engine: a forward imports no engine module. Everything a forward's stage
   functions read besides their arguments is in ``fingerprint_parts`` or in the model's graph
-  definition (both go into the executable cache key).
+  definition (both go into the executable cache key). A graph definition enters the key as
+  ``structure_key``: its structure alone, so a model drawn at random and the same model filled
+  from a checkpoint share their executables.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.typing import HashableMapping
 
 from tokenspeed_jax.config import EngineConfig
 from tokenspeed_jax.graph import Piece, Plan, abstract
@@ -54,6 +58,22 @@ def sampled_rows(params: Any, hidden: jax.Array, rows: jax.Array) -> tuple:
 
 
 ROWS_PIECE = Piece(("rows",), sampled_rows, ("hidden", "rows"), ("rows_hidden",))
+
+
+
+def structure_key(graphdef: Any) -> str:
+    """An NNX graph definition's ``repr`` with each node's metadata in sorted key order: flax
+    compares definitions regardless of that order but prints it as built, and a model drawn at
+    random lists its variables' metadata in another order than one filled from a checkpoint."""
+    def canonical(node: Any) -> Any:
+        metadata = getattr(node, "metadata", None)
+        if not dataclasses.is_dataclass(node) or not isinstance(metadata, Mapping):
+            return node
+        return dataclasses.replace(node, metadata=HashableMapping(
+            dict(sorted(metadata.items(), key=lambda item: str(item[0])))))
+
+    nodes = type(graphdef.nodes)(map(canonical, graphdef.nodes))
+    return repr(dataclasses.replace(graphdef, nodes=nodes))
 
 
 class Forward(abc.ABC):

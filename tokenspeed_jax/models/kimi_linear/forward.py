@@ -65,7 +65,12 @@ from tokenspeed_jax.kernels.mla_attention import (
     mla_prefill_step,
 )
 from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
-from tokenspeed_jax.models.forward import ROWS_PIECE, Forward, alternates_decode_executables
+from tokenspeed_jax.models.forward import (
+    ROWS_PIECE,
+    Forward,
+    alternates_decode_executables,
+    structure_key,
+)
 from tokenspeed_jax.models.kimi_linear.layers import KdaImpl, KdaMeta, kda_core
 from tokenspeed_jax.models.kimi_linear.model import KDA
 from tokenspeed_jax.models.mla import write_latent
@@ -304,5 +309,5 @@ class LatentForward(Forward):
     def fingerprint_parts(self) -> list[str]:
         """The model's static structure, each layer kind's structure, the scale and the MLA
         kernels."""
-        return [repr(self.model_def), *map(repr, self._graphdefs), f"scale={self.scale!r}",
+        return [*map(structure_key, (self.model_def, *self._graphdefs)), f"scale={self.scale!r}",
                 f"mla_kernel={self.mla_kernel!r}"]

@@ -59,6 +59,7 @@ from tokenspeed_jax.models.forward import (
     Forward,
     alternates_decode_executables,
     sampled_rows,
+    structure_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -290,5 +291,6 @@ class LlamaForward(Forward):
 
     def fingerprint_parts(self) -> list[str]:
         """The model's and a layer's static structure, the scale and both attention kernels."""
-        return [repr(self.model_def), repr(self.layer_def), f"scale={self.scale!r}",
+        return [structure_key(self.model_def), structure_key(self.layer_def),
+                f"scale={self.scale!r}",
                 f"decode_kernel={self.decode_kernel!r}", f"prefill_kernel={self.prefill_kernel!r}"]
