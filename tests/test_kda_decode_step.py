@@ -1,7 +1,7 @@
 """The fused KDA decode step (``kernels/kda_decode_step.py``): the Pallas kernel, interpreted,
-against the plain-JAX reference, whole heads and heads split over programs; the reference against a float64 loop written from the module's
-contract; the layer's fused decode against its unfused route; the per-platform choice; bad
-operands."""
+against the plain-JAX reference, whole heads and heads split over programs; the reference
+against a float64 loop written from the module's contract; the layer's fused decode against its
+unfused route; the per-platform choice; bad operands."""
 
 import dataclasses
 

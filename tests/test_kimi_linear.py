@@ -171,8 +171,8 @@ def test_low_rank_gate_weights_are_stored_side_by_side():
     checkpoint = load_checkpoint(GOLDEN / "tiny_kimi", dtype="float32")
     low_proj = np.asarray(checkpoint.model.layers[3].self_attn.low_proj[...])
     prefix = "model.layers.3.self_attn."
-    want = np.concatenate([tensors[prefix + f"{name}_proj.weight"].T for name in ("f_a", "g_a", "b")],
-                          axis=1)
+    want = np.concatenate(
+        [tensors[prefix + f"{name}_proj.weight"].T for name in ("f_a", "g_a", "b")], axis=1)
     np.testing.assert_array_equal(low_proj, want.astype(np.float32))
 
 

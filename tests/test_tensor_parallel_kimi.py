@@ -15,8 +15,8 @@ and each pair of neighbouring kinds kept). Each engine start-up compiles at one 
 prefill bucket, so the worker builds only two engines, and each prefill route runs sharded:
 tp=2 compiles and prefills on the ordinary route alone (``disable_kda_prefill_graph``: a
 quarter of the compile of both routes on 7 layers, whose inline segments each hold their KDA
-kernels), tp=4 compiles both routes and prefills on the inline one. tp=4 on the 4-head variant is checked
-against the plain reference forward (``LLM.logits``) over its prompts and tokens.
+kernels), tp=4 compiles both routes and prefills on the inline one. tp=4 on the 4-head variant
+is checked against the plain reference forward (``LLM.logits``) over its prompts and tokens.
 """
 
 from __future__ import annotations

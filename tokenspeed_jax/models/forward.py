@@ -60,7 +60,6 @@ def sampled_rows(params: Any, hidden: jax.Array, rows: jax.Array) -> tuple:
 ROWS_PIECE = Piece(("rows",), sampled_rows, ("hidden", "rows"), ("rows_hidden",))
 
 
-
 def structure_key(graphdef: Any) -> str:
     """An NNX graph definition's ``repr`` with each node's metadata in sorted key order: flax
     compares definitions regardless of that order but prints it as built, and a model drawn at

@@ -4,9 +4,9 @@
   ``dt_bias [H, K]``, ``A_log [H]``, the depthwise ``{q,k,v}_conv [H K, W]`` (head-major rows)
   and ``o_proj [H, K, D]`` (row parallel); ``low_proj [D, 2 K + H]`` (the low-rank ``f_a`` and
   ``g_a`` and the H columns of ``b`` side by side: every device computes every head's beta
-  logits, a few columns) and ``o_norm`` are replicated. The state pool ``[P, H, V, K]`` is split by head,
-  the conv pool ``[P, W - 1, 3 H K]`` over its channels, which are head-major (``[H, 3, K]``), so
-  each device holds its own heads' q, k and v windows.
+  logits, a few columns) and ``o_norm`` are replicated. The state pool ``[P, H, V, K]`` is split
+  by head, the conv pool ``[P, W - 1, 3 H K]`` over its channels, which are head-major (``[H,
+  3, K]``), so each device holds its own heads' q, k and v windows.
 * MLA layers, split by head: ``q_proj``/``q_b_proj [., H, n + r]``, ``kv_b_proj [R, H, n + v]``,
   ``o_proj [H, v, D]``; ``q_a_proj``, ``kv_a_proj`` and the low-rank norms are replicated. The
   latent cache ``[pages, page_size, R + r]`` is one head shared by every query head, so it is
