@@ -8,6 +8,13 @@ batched traffic forces preemption.
 
 The reference generator compiles its forward for each prompt length (and cache length): the
 prompts reuse a few lengths (5, 6, 37, 70, 100) wherever a test's point allows.
+
+The engine compiles the inline prefill route alone (``inline_route_only``): the ordinary route
+is taken only by a prefill chunk of one token past the start, and none of this module's steps
+holds one. That is fixed, not a matter of timing: the engine runs decode steps ahead always
+(``overlap_schedule="on"``; "auto" decides from measured step times, which would let the page
+pressure of the preemption test, and so its chunk sizes, vary from run to run). A step that
+needed the ordinary route would find no compiled plan and fail (``test_kimi_runner`` runs it).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import pytest
 from golden_checks import assert_steps_match_golden, log_softmax, step_logprobs
 from test_llm import with_overlap
 from test_server import running_server, scrape
-from tiny_checkpoints import KIMI_VOCAB, tiny_kimi
+from tiny_checkpoints import KIMI_VOCAB, inline_route_only, tiny_kimi
 
 from tokenspeed_jax import LLM, SamplingParams
 from tokenspeed_jax.engine.async_engine import AsyncEngine
@@ -66,7 +73,10 @@ def kimi_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(kimi_dir) -> LLM:
-    return LLM(kimi_dir, **OPTIONS)
+    """The module's engine: the inline prefill route alone, decode steps run ahead always
+    (module docstring)."""
+    with inline_route_only():
+        return LLM(kimi_dir, **OPTIONS, overlap_schedule="on")
 
 
 def random_prompts(seed: int, *lengths: int) -> list[list[int]]:

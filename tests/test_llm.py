@@ -35,9 +35,10 @@ ENGINE_OPTIONS = {
     "compile_progress": False,
 }
 # The tiny families' steps hold at most two requests (their two golden prompts, 40 + 60 tokens):
-# one bucket per route, 12 executables rather than 18.
+# one bucket per route (max_num_seqs 2, or its 4 would be a second request bucket of prefill and
+# decode), 8 executables rather than 18.
 TINY_OPTIONS = {**ENGINE_OPTIONS, "prefill_graph_max_tokens": 128,
-                "prefill_graph_capture_token_sizes": (128,),
+                "prefill_graph_capture_token_sizes": (128,), "max_num_seqs": 2,
                 "prefill_graph_capture_batch_sizes": (2,), "decode_graph_capture_batch_sizes": (2,)}
 
 

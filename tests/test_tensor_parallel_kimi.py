@@ -12,11 +12,13 @@ tokens and per-step log-probabilities must be HF's, and tp=4 is an error naming 
 tp=4 runs on a 4-head variant with random weights written here in the checkpoint format
 (``kimi_weight_map`` gives every tensor's name and shape), on 4 of the 7 layers (each layer kind
 and each pair of neighbouring kinds kept). Each engine start-up compiles at one 16-token
-prefill bucket, so the worker builds only two engines, and each prefill route runs sharded:
-tp=2 compiles and prefills on the ordinary route alone (``disable_kda_prefill_graph``: a
-quarter of the compile of both routes on 7 layers, whose inline segments each hold their KDA
-kernels), tp=4 compiles both routes and prefills on the inline one. tp=4 on the 4-head variant
-is checked against the plain reference forward (``LLM.logits``) over its prompts and tokens.
+prefill bucket, so the worker builds only two engines, and each prefill route runs sharded, the
+one it compiles alone: tp=2 the ordinary route (``disable_kda_prefill_graph``: a quarter of the
+compile of both routes on 7 layers, whose inline segments each hold their KDA kernels), tp=4
+the inline one (``tiny_checkpoints.inline_route_only``: its prompts of 8 and 14 tokens
+prefill in chunks of 8 + 8, then 6, never the one-token continuation the ordinary route
+takes). tp=4 on the 4-head variant is checked against the plain reference forward
+(``LLM.logits``) over its prompts and tokens.
 """
 
 from __future__ import annotations
@@ -207,13 +209,14 @@ def _llama_pallas_decode(tp: int, fused: bool = True) -> dict:
 
 def _worker(mode: str) -> dict:
     if mode == "kimi":
-        from tiny_checkpoints import tiny_kimi
+        from tiny_checkpoints import inline_route_only, tiny_kimi
 
         with tempfile.TemporaryDirectory() as directory:
             tiny, wide = tiny_kimi(Path(directory) / "tiny_kimi"), _wide_kimi(Path(directory))
+            with inline_route_only():
+                wide_run = _generate(wide, 4)
             return {"tiny": _generate(tiny, 2, golden=True, disable_kda_prefill_graph=True),
-                    "wide": _generate(wide, 4),
-                    "tiny_tp4_error": _tp_error(tiny, 4)}
+                    "wide": wide_run, "tiny_tp4_error": _tp_error(tiny, 4)}
     if mode == "decode":
         from tokenspeed_jax.kernels.paged_attention_backend import choose_decode_kernel
         from tokenspeed_jax.parallel import make_mesh
@@ -281,7 +284,8 @@ def test_kimi_tp4_matches_the_reference_forward_on_four_heads(kimi):
 
 
 def test_kimi_sharded_runs_take_the_compiled_routes_and_compile_nothing(kimi):
-    """tp=2 prefills on the ordinary route (KDA kernel at a break), tp=4 on the inline one."""
+    """tp=2 prefills on the ordinary route (KDA kernel at a break), tp=4 on the inline one,
+    each the only route its engine compiles."""
     for run in (kimi["tiny"], kimi["wide"]):
         assert run["runtime_compiles"] == 0
         assert run["routes"]["prefill"] > 0 and run["routes"]["decode"] > 0

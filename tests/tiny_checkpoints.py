@@ -7,7 +7,9 @@ regenerated golden is picked up); the tokenizer is word-level over the checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import tokenizers
@@ -25,6 +27,30 @@ def tiny_kimi(directory: Path, chat_template: str | None = None) -> Path:
         os.symlink((GOLDEN / "tiny_kimi" / name).resolve(), directory / name)
     save_word_tokenizer(directory, chat_template)
     return directory
+
+
+@contextlib.contextmanager
+def inline_route_only() -> Iterator[None]:
+    """Kimi-Linear runners built inside compile the inline prefill route alone, without the
+    ordinary route beside it: for engines whose steps never take that route (only a step with a
+    one-token continuation chunk does, ``LatentForward.prefill_route``), it is compiled for
+    nothing. Such a step would find no compiled plan and fail. The inline route's plans, its
+    executables' cache keys and its outputs are the same either way."""
+    from tokenspeed_jax.models.kimi_linear.forward import LatentForward
+
+    init = LatentForward.__init__
+
+    def inline_only(self: LatentForward, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        if self.prefill_routes != ("inline", "ordinary"):
+            raise ValueError(f"inline_route_only: the routes are {self.prefill_routes}")
+        self.prefill_routes = ("inline",)
+
+    LatentForward.__init__ = inline_only
+    try:
+        yield
+    finally:
+        LatentForward.__init__ = init
 
 
 def save_word_tokenizer(directory: Path, chat_template: str | None = None) -> None:
