@@ -89,8 +89,8 @@ def fill_state(
     """Fill an abstract NNX ``state`` in place from (checkpoint name, array) pairs.
 
     ``weight_map`` maps a checkpoint name to an entry with ``path``, ``hf_shape``, ``transform``
-    and, for a tensor filling part of its parameter, ``part`` (the part's index; absent or
-    None otherwise): the parts are gathered on the host and the parameter placed once.
+    and, for a tensor filling part of its parameter, ``part`` (the part's index; None
+    otherwise): the parts are gathered on the host and the parameter placed once.
     ``place(path, value, dtype)`` makes the device array (on the parameter's sharding). Shapes,
     duplicates, unused tensors (unless ``ignored``) and unfilled parameters are errors naming
     the tensor (``check_tensor``, ``check_all_used``).
@@ -98,7 +98,7 @@ def fill_state(
     values = state.to_pure_dict()
     filled: set[str] = set()
     unused: list[str] = []
-    stacks: dict[tuple, np.ndarray] = {}
+    gathered: dict[tuple, np.ndarray] = {}  # parameters filled part by part, on the host
     for name, array in tensors:
         entry = weight_map.get(name)
         if entry is None:
@@ -108,18 +108,17 @@ def fill_state(
         check_tensor(source, name, array.shape, entry.hf_shape, filled)
         node, leaf = leaf_holder(values, entry.path)
         value = entry.transform(np.asarray(array))
-        part = getattr(entry, "part", None)
-        if part is None:
+        if entry.part is None:
             node[leaf] = place(entry.path, value, node[leaf].dtype)
         else:
-            if entry.path not in stacks:
-                stacks[entry.path] = np.empty(node[leaf].shape, value.dtype)
-            stacks[entry.path][part] = value
+            if entry.path not in gathered:
+                gathered[entry.path] = np.empty(node[leaf].shape, value.dtype)
+            gathered[entry.path][entry.part] = value
         filled.add(name)
     check_all_used(source, model_type, unused, weight_map, filled)
-    for path, stacked in stacks.items():
+    for path, whole in gathered.items():
         node, leaf = leaf_holder(values, path)
-        node[leaf] = place(path, stacked, node[leaf].dtype)
+        node[leaf] = place(path, whole, node[leaf].dtype)
     state.replace_by_pure_dict(values)
 
 

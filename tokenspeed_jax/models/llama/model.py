@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from flax import nnx
 
 from tokenspeed_jax.kernels.attention_ref import cache_causal_mask, masked_attention
 from tokenspeed_jax.kernels.rotary import rotary_tables, rotate
+from tokenspeed_jax.models.hf_checkpoint import WeightEntry
 from tokenspeed_jax.models.layers import CausalLMBase, RMSNorm, linear, normal_param
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -42,12 +43,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 Transform = Callable[[np.ndarray], np.ndarray]
 
 
-class HFWeight(NamedTuple):
-    """Where one HF tensor goes: its NNX state path, its HF shape, and the layout change."""
-
-    path: tuple[str | int, ...]
-    hf_shape: tuple[int, ...]
-    transform: Transform
+HFWeight = WeightEntry  # where one HF tensor goes: state path, HF shape, layout change
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
