@@ -178,7 +178,7 @@ def swiglu(gate: jax.Array, up: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jax.nn.silu(gate.astype(dtype)) * up.astype(dtype)
 
 
-def _check_operands(x, experts, w1, w3, w2, shared, live) -> tuple[Stack, ...]:
+def check_operands(x, experts, w1, w3, w2, shared, live) -> tuple[Stack, ...]:
     """The operands' problems raised; the weight stacks, routed then shared when given."""
     if x.ndim != 2 or w1.ndim != 3 or w1.shape[1] != x.shape[1]:
         raise ValueError(f"x {x.shape} and w1 {w1.shape} must be [T, D] and [E, D, F]")
@@ -224,15 +224,19 @@ def _pairs_per_token(experts, stacks: tuple) -> int:
     return experts.shape[1] + (stacks[1][0].shape[0] if len(stacks) > 1 else 0)
 
 
-def _pair_runs(pair, experts_ref, live_ref, stacks) -> tuple:
+def _pair_runs(pair, experts_ref, live_ref, stacks, expert_at=None) -> tuple:
     """Pair ``pair``'s row of x and, per stack, (its weights, the pair's expert in it, int32 1
     when the pair runs that expert else 0). Pairs are token-major: each token's routed experts,
-    then one pair per shared expert (module contract)."""
+    then one pair per shared expert (module contract). ``expert_at(row, slot, routed_and_live)``
+    reads a routed pair's expert id (default: ``experts_ref[row, slot]``)."""
     routed, per_token = experts_ref.shape[1], _pairs_per_token(experts_ref, stacks)
     row, slot = pair // per_token, pair % per_token
-    expert = experts_ref[row, jnp.minimum(slot, routed - 1)]
-    runs = [(slot < routed) & (live_ref[row] != 0) & (expert >= 0)
-            & (expert < stacks[0][0].shape[0])]
+    wanted = (slot < routed) & (live_ref[row] != 0)
+    if expert_at is None:
+        expert = experts_ref[row, jnp.minimum(slot, routed - 1)]
+    else:
+        expert = expert_at(row, jnp.minimum(slot, routed - 1), wanted)
+    runs = [wanted & (expert >= 0) & (expert < stacks[0][0].shape[0])]
     found = [(stacks[0], expert)]
     if len(stacks) > 1:
         runs.append(slot >= routed)
@@ -251,7 +255,8 @@ def _swiglu_rounded(gate, up, dtype: jnp.dtype):
     return (rounded(gate * rounded(jax.nn.sigmoid(gate))) * up).astype(dtype)
 
 
-def _projection_kernel(
+def project_item(
+    pair, column, split,  # the program's item: its pair, block of output columns, contraction split
     experts_ref,  # i32[T, n]: each token's routed experts
     live_ref,  # i32[T]: 0 for a row whose routed pairs are skipped
     *refs,  # the lhs: x [T, K], or with ``swiglu_of`` the gate and up projections' float32
@@ -264,13 +269,14 @@ def _projection_kernel(
     dot_rows: bool,
     swiglu_of: jnp.dtype | None,  # the lhs is swiglu(gate, up) in this dtype, row = pair
     precision: lax.Precision,
+    expert_at=None,  # ``_pair_runs``' reader of a routed pair's expert id
 ):
-    pair, column, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    """One program's work in a projection call (module docstring)."""
     lhs_refs = refs[:1] if swiglu_of is None else refs[:2]
     weight_refs, sum_refs = refs[len(lhs_refs):-per_stack], refs[-per_stack:]
     stacks = [weight_refs[first:first + per_stack]
               for first in range(0, len(weight_refs), per_stack)]
-    row, runs = _pair_runs(pair, experts_ref, live_ref, stacks)
+    row, runs = _pair_runs(pair, experts_ref, live_ref, stacks, expert_at)
     cols = pl.ds(column * block_n, block_n)
 
     def lhs_at(depth):
@@ -294,6 +300,21 @@ def _projection_kernel(
         sum_ref[split, pair, cols] = jnp.sum(acc, axis=0)
 
 
+def _projection_kernel(experts_ref, live_ref, *refs, **static):
+    project_item(pl.program_id(0), pl.program_id(1), pl.program_id(2), experts_ref, live_ref,
+                 *refs, **static)
+
+
+def projection_plan(num_pairs: int, weight: jax.Array, blocks: ExpertRowsBlocks) -> tuple:
+    """(columns, splits, block steps per split) of a call over ``num_pairs`` pairs through
+    weights shaped like ``weight [E, K, N]``."""
+    _, depth, width = weight.shape
+    steps = depth // blocks.block_k
+    columns = width // blocks.block_n
+    splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
+    return columns, splits, steps // splits
+
+
 def _project(lhs: tuple[jax.Array, ...], experts: jax.Array, live: jax.Array,
              stacks: tuple[tuple[jax.Array, ...], ...], *, swiglu_of: jnp.dtype | None,
              blocks: ExpertRowsBlocks, interpret: bool, name: str) -> list[jax.Array]:
@@ -304,22 +325,19 @@ def _project(lhs: tuple[jax.Array, ...], experts: jax.Array, live: jax.Array,
     weights = [weight for stack in stacks for weight in stack]
     per_stack = len(stacks[0])
     num_pairs = experts.shape[0] * _pairs_per_token(experts, stacks)
-    _, depth, width = weights[0].shape
-    steps = depth // blocks.block_k
-    columns = width // blocks.block_n
-    splits = split_count(num_pairs * columns, steps, blocks.fill_programs)
+    columns, splits, steps = projection_plan(num_pairs, weights[0], blocks)
     dtype = lhs[0].dtype if swiglu_of is None else swiglu_of
     kernel = functools.partial(_projection_kernel, per_stack=per_stack, block_k=blocks.block_k,
-                               block_n=blocks.block_n, steps=steps // splits,
-                               dot_rows=blocks.dot_rows, swiglu_of=swiglu_of,
-                               precision=dot_precision(dtype))
+                               block_n=blocks.block_n, steps=steps, dot_rows=blocks.dot_rows,
+                               swiglu_of=swiglu_of, precision=dot_precision(dtype))
     whole = pl.BlockSpec()
     return pl.pallas_call(
         kernel,
         grid=(num_pairs, columns, splits),
         in_specs=[whole] * (2 + len(lhs) + len(weights)),
         out_specs=[whole] * per_stack,
-        out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, width), jnp.float32)] * per_stack,
+        out_shape=[jax.ShapeDtypeStruct((splits, num_pairs, weights[0].shape[2]), jnp.float32)]
+        * per_stack,
         compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=blocks.num_stages),
         interpret=interpret,
@@ -342,21 +360,34 @@ def expert_rows_mlp(
 ) -> jax.Array:  # [T, n + E_s, D], x's dtype
     """Every pair's expert MLP through the Pallas kernel (module docstring)."""
     interpret = pallas_backend.resolve_interpret(interpret)
-    stacks = _check_operands(x, experts, w1, w3, w2, shared, live)
+    stacks = check_operands(x, experts, w1, w3, w2, shared, live)
     problem = expert_rows_problem(hidden=x.shape[1], intermediate=w1.shape[2], dtype=x.dtype,
                                   blocks=blocks)
     if problem is not None:
         raise ValueError(problem)
     experts = experts.astype(jnp.int32)
-    live = (jnp.ones(x.shape[0], jnp.int32) if live is None else live.astype(jnp.int32))
-    run = functools.partial(_project, experts=experts, live=live, blocks=blocks,
-                            interpret=interpret)
-    gate_up = run((x,), stacks=tuple(stack[:2] for stack in stacks), swiglu_of=None,
-                  name="expert_rows_gate_up")
-    (out,) = run(tuple(gate_up), stacks=tuple(stack[2:] for stack in stacks),
-                 swiglu_of=x.dtype, name="expert_rows_down")
-    return out.sum(axis=0).astype(x.dtype).reshape(x.shape[0], _pairs_per_token(experts, stacks),
-                                                   -1)
+    live = live_rows(live, x.shape[0])
+    gate_up = _project((x,), experts, live, tuple(stack[:2] for stack in stacks),
+                       swiglu_of=None, blocks=blocks, interpret=interpret,
+                       name="expert_rows_gate_up")
+    return down_rows(gate_up, experts, live, stacks, x.dtype, blocks=blocks, interpret=interpret)
+
+
+def live_rows(live: jax.Array | None, num_tokens: int) -> jax.Array:
+    """The kernels' ``live`` operand: int32 [T], every row live when ``live`` is None."""
+    return jnp.ones(num_tokens, jnp.int32) if live is None else live.astype(jnp.int32)
+
+
+def down_rows(gate_up: list[jax.Array], experts: jax.Array, live: jax.Array,
+              stacks: tuple[Stack, ...], dtype: jnp.dtype, *, blocks: ExpertRowsBlocks,
+              interpret: bool) -> jax.Array:
+    """[T, n + E_s, D] in ``dtype``: the down call over the gate and up partial sums
+    ``gate_up`` of every pair (``experts`` i32 [T, n]), its partial sums added."""
+    (out,) = _project(tuple(gate_up), experts, live, tuple(stack[2:] for stack in stacks),
+                      swiglu_of=dtype, blocks=blocks, interpret=interpret,
+                      name="expert_rows_down")
+    return out.sum(axis=0).astype(dtype).reshape(experts.shape[0],
+                                                 _pairs_per_token(experts, stacks), -1)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -367,7 +398,7 @@ def expert_rows_mlp_reference(x: jax.Array, experts: jax.Array, w1: jax.Array, w
                               live: jax.Array | None = None) -> jax.Array:
     """The same function: each pair's id in the stacks' concatenation, its row and expert
     weights gathered, then einsums."""
-    stacks = _check_operands(x, experts, w1, w3, w2, shared, live)
+    stacks = check_operands(x, experts, w1, w3, w2, shared, live)
     num_tokens = experts.shape[0]
     runs = (experts >= 0) & (experts < w1.shape[0])
     if live is not None:

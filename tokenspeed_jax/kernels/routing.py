@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -208,9 +209,12 @@ def _choose(logits, bias, slots: int, routing: Routing):
     return experts, weights * routing.scaling
 
 
-def _route_kernel(x_ref, gate_ref, bias_ref, _arrivals_in, partials_ref, arrivals_ref,
-                  experts_ref, weights_ref, *, block_k: int, routing: Routing, compiled: bool):
-    token, split, splits = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+def route_share(x_ref, gate_ref, bias_ref, partials_ref, arrivals_ref, experts_ref, weights_ref,
+                token, split, splits: int, *, block_k: int, routing: Routing, compiled: bool,
+                chosen: Callable[[], None] = lambda: None) -> None:
+    """One program's share of the routing (module docstring): ``block_k`` rows of token
+    ``token``'s logits, and the choice when it is the token's last of ``splits`` programs to
+    arrive; ``chosen`` runs after the choice is stored, in that program only."""
     depth = pl.ds(split * block_k, block_k)
     row = x_ref[token, depth].astype(jnp.float32)
     gate = gate_ref[depth]  # [block_k, E] or [block_k, G, E / G]
@@ -223,6 +227,37 @@ def _route_kernel(x_ref, gate_ref, bias_ref, _arrivals_in, partials_ref, arrival
         logits = _summed_partials(partials_ref, token, shared_load(compiled=compiled))
         experts_ref[token], weights_ref[token] = _choose(logits, bias_ref[...],
                                                          experts_ref.shape[1], routing)
+        chosen()
+
+
+def _route_kernel(x_ref, gate_ref, bias_ref, _arrivals_in, partials_ref, arrivals_ref,
+                  experts_ref, weights_ref, *, block_k: int, routing: Routing, compiled: bool):
+    route_share(x_ref, gate_ref, bias_ref, partials_ref, arrivals_ref, experts_ref, weights_ref,
+                pl.program_id(0), pl.program_id(1), pl.num_programs(1), block_k=block_k,
+                routing=routing, compiled=compiled)
+
+
+def routing_operands(x: jax.Array, gate: jax.Array, bias: jax.Array, *, routing: Routing,
+                     blocks: RoutingBlocks) -> tuple[tuple[jax.Array, ...], list]:
+    """The checked operands of a call running ``route_share`` (x, the gate and bias in the
+    kernel's layout) and the shapes of its outputs (partial logits, arrival counters, then the
+    expert ids and weights ``[T, slots]``, slots the power of 2 at or above ``top_k``)."""
+    _check_operands(x, gate, bias, routing)
+    (num_tokens, hidden), num_experts = x.shape, gate.shape[1]
+    problem = routing_problem(hidden=hidden, num_experts=num_experts, routing=routing,
+                              blocks=blocks)
+    if problem is not None:
+        raise ValueError(problem)
+    splits = hidden // blocks.block_k
+    slots = 1 << (routing.top_k - 1).bit_length()  # a Triton block is a power of 2
+    grouped = ((num_experts,) if routing.num_groups == 1
+               else (routing.num_groups, num_experts // routing.num_groups))
+    operands = (x, gate.astype(jnp.float32).reshape(hidden, *grouped),
+                bias.astype(jnp.float32).reshape(grouped))
+    return operands, [jax.ShapeDtypeStruct((splits, num_tokens, *grouped), jnp.float32),
+                      jax.ShapeDtypeStruct((num_tokens,), jnp.int32),
+                      jax.ShapeDtypeStruct((num_tokens, slots), jnp.int32),
+                      jax.ShapeDtypeStruct((num_tokens, slots), jnp.float32)]
 
 
 @functools.partial(jax.jit, static_argnames=("routing", "blocks", "interpret"))
@@ -231,34 +266,21 @@ def route_pallas(x: jax.Array, gate: jax.Array, bias: jax.Array, *, routing: Rou
                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """The routing through one Pallas call (module docstring)."""
     interpret = pallas_backend.resolve_interpret(interpret)
-    _check_operands(x, gate, bias, routing)
-    (num_tokens, hidden), num_experts = x.shape, gate.shape[1]
-    problem = routing_problem(hidden=hidden, num_experts=num_experts, routing=routing,
-                              blocks=blocks)
-    if problem is not None:
-        raise ValueError(problem)
+    operands, out_shape = routing_operands(x, gate, bias, routing=routing, blocks=blocks)
     whole = pl.BlockSpec()
-    splits = hidden // blocks.block_k
-    slots = 1 << (routing.top_k - 1).bit_length()  # a Triton block is a power of 2
-    grouped = ((num_experts,) if routing.num_groups == 1
-               else (routing.num_groups, num_experts // routing.num_groups))
     _, _, experts, weights = pl.pallas_call(
         functools.partial(_route_kernel, block_k=blocks.block_k, routing=routing,
                           compiled=not interpret),
-        grid=(num_tokens, splits),
+        grid=(x.shape[0], x.shape[1] // blocks.block_k),
         in_specs=[whole] * 4,
         out_specs=[whole] * 4,
-        out_shape=[jax.ShapeDtypeStruct((splits, num_tokens, *grouped), jnp.float32),  # partials
-                   jax.ShapeDtypeStruct((num_tokens,), jnp.int32),  # arrivals
-                   jax.ShapeDtypeStruct((num_tokens, slots), jnp.int32),
-                   jax.ShapeDtypeStruct((num_tokens, slots), jnp.float32)],
+        out_shape=out_shape,
         input_output_aliases={3: 1},
         compiler_params=pallas_backend.compiler_params(num_warps=blocks.num_warps,
                                                        num_stages=1),
         interpret=interpret,
         name="router",
-    )(x, gate.astype(jnp.float32).reshape(hidden, *grouped),
-      bias.astype(jnp.float32).reshape(grouped), fresh_counters(num_tokens))
+    )(*operands, fresh_counters(x.shape[0]))
     return experts[:, :routing.top_k], weights[:, :routing.top_k]
 
 

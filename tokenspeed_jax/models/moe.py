@@ -18,7 +18,11 @@ Both compute the same function with the same roundings (up to summation order); 
 static. Shared experts run on every token and add; on the rows path without a mesh, a single
 shared expert of the routed experts' size (Kimi-Linear's, DeepSeek-V3's) is one more pair of each
 token in the same kernel call (``experts_through_rows``), so a decode step reads its weights in
-the same launch as the routed ones; otherwise it is its own ``SwiGLU``. Rows that are not ``live``
+the same launch as the routed ones; otherwise it is its own ``SwiGLU``. When the routing kernel
+is Pallas too (a GPU's decode step) and takes the token count, the routing runs inside that
+call's gate/up launch (``kernels/routed_expert_rows.py``, ``KimiMoE._routes_in_rows``): one launch
+fewer per layer, on the expert-rows kernel's knobs and the routing's ``block_k``, with the same
+experts as the routing kernel and its weights up to summation order. Rows that are not ``live``
 (a compiled step's padding past its real tokens) route to no expert: their routed part is zero and
 their pairs read no expert weights (a batch-1 decode step in a 2-row bucket would otherwise read
 16 experts, not 8); the rows kernel reads ``live`` itself, the other paths mask the routed ids
@@ -61,6 +65,8 @@ from tokenspeed_jax.kernels.grouped_matmul import (
     apply_grouped_matmul,
     choose_grouped_kernel,
 )
+from tokenspeed_jax.kernels.paged_attention_backend import PALLAS
+from tokenspeed_jax.kernels.routed_expert_rows import routed_expert_rows_mlp, routed_rows_problem
 from tokenspeed_jax.kernels.routing import (
     Routing,
     RoutingKernel,
@@ -151,6 +157,12 @@ def experts_through_rows(x: jax.Array, experts: jax.Array, weights: jax.Array, w
     apart."""
     out = apply_expert_rows(x.astype(dtype), experts, *_cast((w1, w3, w2), dtype),
                             _cast(shared, dtype), live, kernel=kernel)
+    return _combined(weights, out, dtype)
+
+
+def _combined(weights: jax.Array, out: jax.Array, dtype: Any) -> jax.Array:
+    """[T, D] in ``dtype``: the routed pairs' outputs ``out[:, :-1]`` weighted and summed, plus
+    the shared expert's ``out[:, -1]``."""
     return _weighted_sum(weights, out[:, :-1]).astype(dtype) + out[:, -1]
 
 
@@ -209,6 +221,20 @@ class KimiMoE(nnx.Module):
         return (self.expert_rows_kernel.takes(num_pairs)
                 and self.shared_experts.down_proj.shape[0] == self.w2.shape[1])
 
+    def _routes_in_rows(self, num_tokens: int) -> bool:
+        """Whether the routing runs inside the expert-rows gate/up call
+        (``kernels/routed_expert_rows.py``): both take the Pallas kernels at this token count,
+        the shared expert rides the rows, and the routing is one that call runs."""
+        return (self.routing_kernel.backend == PALLAS and self.expert_rows_kernel.backend == PALLAS
+                and num_tokens <= self.routing_kernel.max_tokens
+                and self._shared_rides_rows(num_tokens * self.routing.top_k)
+                and routed_rows_problem(routing=self.routing, num_shared=1) is None)
+
+    def _shared_stack(self) -> Stack:
+        """The one shared expert's (w1, w3, w2) stacked [1, D, F] / [1, F, D]."""
+        mlp = self.shared_experts
+        return tuple(w[...][None] for w in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
     def _routed(self, x: jax.Array, experts: jax.Array, weights: jax.Array, w1: jax.Array,
                 w3: jax.Array, w2: jax.Array, first: jax.Array | int) -> jax.Array:
         """float32 [T, D]: the weighted outputs of the pairs of the local experts ``first, ...``,
@@ -225,15 +251,21 @@ class KimiMoE(nnx.Module):
         rows that are real tokens, the others routed to no expert (module docstring)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1]).astype(self.dtype)
-        experts, weights = self.route(x)
         w1, w3, w2 = self.w1[...], self.w3[...], self.w2[...]
+        rows_live = None if live is None else live.reshape(-1)
+        if mesh is None and self._routes_in_rows(x.shape[0]):
+            out, _, weights = routed_expert_rows_mlp(
+                x, self.gate[...], self.e_score_correction_bias[...],
+                *_cast((w1, w3, w2), self.dtype), _cast(self._shared_stack(), self.dtype),
+                rows_live, routing=self.routing, blocks=self.expert_rows_kernel.blocks,
+                route_blocks=self.routing_kernel.blocks,
+                interpret=self.expert_rows_kernel.interpret)
+            return _combined(weights, out, self.dtype).reshape(shape)
+        experts, weights = self.route(x)
         if mesh is None and self._shared_rides_rows(experts.size):
-            mlp = self.shared_experts
-            shared = tuple(w[...][None] for w in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
             return experts_through_rows(
-                x, experts, weights, w1, w3, w2, shared, dtype=self.dtype,
-                kernel=self.expert_rows_kernel,
-                live=None if live is None else live.reshape(-1)).reshape(shape)
+                x, experts, weights, w1, w3, w2, self._shared_stack(), dtype=self.dtype,
+                kernel=self.expert_rows_kernel, live=rows_live).reshape(shape)
         if live is not None:
             experts = jnp.where(live.reshape(-1, 1), experts, NO_EXPERT)
         if mesh is None:
