@@ -61,7 +61,8 @@ class Shape:
     decode_variants: tuple = (MLADecodeBlocks(block_h=32, num_warps=8),
                               MLADecodeBlocks(pages_per_block=4, num_warps=8),
                               MLADecodeBlocks(pages_per_block=1), MLADecodeBlocks(num_warps=8),
-                              MLADecodeBlocks(most_splits=4), MLADecodeBlocks(most_splits=32))
+                              MLADecodeBlocks(num_stages=2), MLADecodeBlocks(most_splits=4),
+                              MLADecodeBlocks(fill_programs=128))
     prefill_variants: tuple = (MLAPrefillBlocks(32, 1, 2, 8), MLAPrefillBlocks(16, 4, 2, 8),
                                MLAPrefillBlocks(64, 1, 2, 8), MLAPrefillBlocks(16, 2, 4, 4))
 
@@ -114,7 +115,8 @@ def decode_row(shape: Shape, batch: int, context: int, blocks: MLADecodeBlocks, 
     jax.block_until_ready(kernel())
     row = {"item": "decode", "case": f"bs={batch} ctx={context}",
            "blocks": f"h{blocks.block_h}/p{blocks.pages_per_block}/w{blocks.num_warps}"
-                     f"/s{blocks.num_stages}/m{blocks.most_splits}", "splits": splits,
+                     f"/s{blocks.num_stages}/m{blocks.most_splits}/f{blocks.fill_programs}",
+           "splits": splits,
            "first_call_s": round(time.perf_counter() - start, 2), "kernel_ms": wall_ms(kernel)}
     read = batch * ((context + 1) * shape.width + shape.heads * (shape.width + shape.rank)) * 2
     row["floor_ms"] = read / HBM_BYTES_PER_S * 1e3

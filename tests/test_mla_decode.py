@@ -123,17 +123,20 @@ def test_one_kernel_and_a_merge_only_when_split():
 
 
 def test_split_count_fills_the_gpu_at_small_batches():
-    """Hand-computed against 128 programs (``paged_decode.FILL_PROGRAMS``): the fewest splits
-    (at most most_splits) that give (request, head block, split) programs that many."""
-    blocks = MLADecodeBlocks(block_h=16, most_splits=8)
+    """Hand-computed: the fewest splits (at most most_splits) that give (request, head block,
+    split) programs fill_programs many (256 by default)."""
+    blocks = MLADecodeBlocks(block_h=16, most_splits=8, fill_programs=128)
     assert mla_split_count(1, 32, blocks) == 8  # 2 head blocks: 64 would fill, capped
     assert mla_split_count(8, 32, blocks) == 8  # 16 programs: 8 splits make 128
     assert mla_split_count(16, 40, blocks) == 3  # 3 head blocks: 48 programs, 3 splits 144
     assert mla_split_count(64, 32, blocks) == 1  # 128 already
     assert mla_split_count(1, 8, MLADecodeBlocks(most_splits=2)) == 2
-    assert mla_split_count(1, 16) == 64  # the default cap: one head block, 128 would fill
-    assert mla_split_count(2, 32) == 32  # a 2-row bucket of Kimi-Linear's 32 heads: 128 programs
-    assert mla_split_count(2, 128, MLADecodeBlocks(block_h=32)) == 16  # 8 programs: 16 fill
+    assert mla_split_count(1, 16) == 32  # the default cap: one head block, 256 would fill
+    assert mla_split_count(2, 32) == 32  # a 2-row bucket of Kimi-Linear's 32 heads: 64 would
+    assert mla_split_count(8, 32) == 16  # 16 programs: 16 splits make 256
+    assert mla_split_count(64, 32) == 2  # 128 programs: 2 splits make 256
+    assert mla_split_count(16, 40) == 6  # 48 programs: 6 splits make 288
+    assert mla_split_count(2, 128, MLADecodeBlocks(block_h=32)) == 32  # 8 programs: 32 fill
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
@@ -168,6 +171,8 @@ def test_problems_are_named():
         MLADecodeBlocks(block_h=8)
     with pytest.raises(ValueError, match="pages_per_block=3"):
         MLADecodeBlocks(pages_per_block=3)
+    with pytest.raises(ValueError, match="fill_programs=0"):
+        MLADecodeBlocks(fill_programs=0)
 
 
 def test_bad_shapes_are_named():

@@ -65,22 +65,30 @@ class MLADecodeBlocks:
 
     block_h: int = 16  # query heads per program: the rows of its dots (a power of 2 >= 16)
     pages_per_block: int = 2  # pages per key block; block_k = pages_per_block * page_size >= 16
-    # The most splits of a request's pages (``mla_split_count``). A request has only
-    # cdiv(H, block_h) programs unsplit (a GQA request has one per KV head), so it takes more
-    # splits than the fused GQA kernel's 4 to spread a long context over the SMs: on an H200
-    # the whole Kimi-Linear shape's batch-1 decode at context 8192 took 3.39 ms with at most 64
-    # against 3.62 with 16 (32 splits of its 2-row bucket, not 16), the same at context 1024.
-    most_splits: int = 64
+    # Splits of a request's pages (``mla_split_count``): the fewest that give ``fill_programs``
+    # (request, head block, split) programs, at most ``most_splits``. A request has only
+    # cdiv(H, block_h) programs unsplit, so it takes more splits than the fused GQA kernel's. On
+    # an H200 at Kimi-Linear's shape (32 heads), the kernel alone with one stage: 2 rows 10.3 us
+    # at context 1024 with 32 splits; 64 rows 79 us at 1024 and 533 at 8192 with 2 splits, 87 and
+    # 544 with 4, 132 and 1000 unsplit (the 128-program rule's count); past 32 splits the merge
+    # of a 2-row call took 67 us against 3 at 32.
+    fill_programs: int = 256
+    most_splits: int = 32
     num_warps: int = 4
-    num_stages: int = 2
+    # One stage: the key blocks' loads are not pipelined, but twice the programs fit on an SM,
+    # which hides more latency: on an H200 at Kimi-Linear's shape 5.5 against 7.1 us (2 rows,
+    # context 1024, 32 splits), 22.7 against 33.0 (2 rows, 8192), 535 against 872 (64 rows,
+    # 8192, 4 splits) with two stages.
+    num_stages: int = 1
 
     def __post_init__(self) -> None:
         if not is_power_of_2(self.block_h) or self.block_h < MIN_DOT_DIM:
             raise ValueError(f"block_h={self.block_h} must be a power of 2 >= {MIN_DOT_DIM}")
         if not is_power_of_2(self.pages_per_block):
             raise ValueError(f"pages_per_block={self.pages_per_block} must be a power of 2")
-        if self.most_splits < 1:
-            raise ValueError(f"most_splits={self.most_splits} must be >= 1")
+        if self.most_splits < 1 or self.fill_programs < 1:
+            raise ValueError(f"most_splits={self.most_splits} and fill_programs="
+                             f"{self.fill_programs} must be >= 1")
 
 
 def _mla_decode_kernel(
@@ -227,9 +235,11 @@ def mla_decode(
 def mla_split_count(batch: int, num_heads: int,
                     blocks: MLADecodeBlocks = MLADecodeBlocks()) -> int:
     """Splits of each request's pages for a batch of ``batch`` requests with ``num_heads`` query
-    heads: the fewest (at most ``blocks.most_splits``) that fill the GPU with (request, head
-    block, split) programs, as the fused GQA kernel counts them (``fused_split_count``)."""
-    return fused_split_count(batch, -(-num_heads // blocks.block_h), blocks.most_splits)
+    heads: the fewest (at most ``blocks.most_splits``) that give ``blocks.fill_programs``
+    (request, head block, split) programs, as the fused GQA kernel counts them
+    (``fused_split_count``)."""
+    return fused_split_count(batch, -(-num_heads // blocks.block_h), blocks.most_splits,
+                             blocks.fill_programs)
 
 
 def mla_decode_problem(*, kv_lora_rank: int, rope_dim: int, page_size: int, dtype: jnp.dtype,

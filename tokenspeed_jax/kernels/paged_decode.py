@@ -223,11 +223,12 @@ def fused_paged_decode(
     return attention, k_pages, v_pages
 
 
-def fused_split_count(batch: int, num_kv_heads: int, most: int) -> int:
+def fused_split_count(batch: int, num_kv_heads: int, most: int,
+                      fill: int = FILL_PROGRAMS) -> int:
     """Splits of each request's pages for ``decode_attention_step``: the fewest (at most
-    ``most``) that give the kernel ``FILL_PROGRAMS`` programs, since one program per (request,
-    KV head) leaves most of the GPU idle at small batches and splits cost a merge."""
-    return max(1, min(most, -(-FILL_PROGRAMS // (batch * num_kv_heads))))
+    ``most``) that give the kernel ``fill`` programs, since one program per (request, KV head)
+    leaves most of the GPU idle at small batches and splits cost a merge."""
+    return max(1, min(most, -(-fill // (batch * num_kv_heads))))
 
 
 def fused_paged_decode_reference(q, k, v, k_pages, v_pages, page_tables, positions,
