@@ -66,7 +66,7 @@ def routed(x, gate, bias, w1, w3, w2, shared, live, routing):
                                   blocks=BLOCKS, route_blocks=ROUTE_BLOCKS, interpret=True)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8])
+@pytest.mark.parametrize("num_tokens", [3])
 @pytest.mark.parametrize("rule", RULES, ids=RULES.keys())
 def test_the_call_routes_as_the_reference_and_projects_as_the_rows_kernel(rule, num_tokens):
     routing = RULES[rule]
@@ -122,8 +122,8 @@ def moe(routing_kernel: RoutingKernel, expert_rows_kernel: ExpertRowsKernel) -> 
                    expert_rows_kernel=expert_rows_kernel)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4])
-def test_the_moe_takes_the_one_call_when_both_kernels_are_pallas(num_tokens):
+def test_the_moe_takes_the_one_call_when_both_kernels_are_pallas():
+    num_tokens = 4
     x = operands(num_tokens, seed=2)[0]
     live = jnp.arange(num_tokens) != 1
     fused = moe(PALLAS_ROUTING, PALLAS_ROWS)
