@@ -9,7 +9,7 @@ E_s, D]`` in that dtype: entry ``[t, j]`` is the SwiGLU expert MLP ``w2[e] (silu
 ``j - n`` after them. The pairs are token-major, ``P = T (n + E_s)`` of them. Invariants:
 
 * A routed pair whose expert is outside ``[0, E)`` (under expert parallelism, an expert of
-  another device; ``moe.NO_EXPERT``) or whose token is not ``live`` (a compiled step's padding
+  another device; ``NO_EXPERT``) or whose token is not ``live`` (a compiled step's padding
   row) gives zeros and its programs read no weight; shared pairs always run. The ids and the
   live rows are read inside the kernels, so a decode step runs no XLA kernel to build pairs.
 * The arithmetic of ``moe.expert_mlp`` over the same pairs (the sorted grouped matmuls): each
@@ -126,6 +126,7 @@ class ExpertRowsKernel:
         return num_pairs <= self.max_pairs
 
 
+NO_EXPERT = -1  # an expert id no stack holds: its pair reads no weight and gives zeros
 NO_EXPERT_ROWS = ExpertRowsKernel(max_pairs=0)  # every pair count takes the grouped matmuls
 
 

@@ -49,6 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 from tokenspeed_jax.kernels import pallas_backend
 from tokenspeed_jax.kernels.arrivals import fresh_counters, shared_load
 from tokenspeed_jax.kernels.expert_rows import (
+    NO_EXPERT,
     ExpertRowsBlocks,
     Stack,
     check_operands,
@@ -63,7 +64,6 @@ from tokenspeed_jax.kernels.routing import Routing, RoutingBlocks, route_share, 
 
 ROUTE_BLOCKS = RoutingBlocks()  # its block_k; the call runs on the expert rows' warps
 EXPERT_ROWS_BLOCKS = ExpertRowsBlocks()
-NO_EXPERT = -1  # a routed pair's id when its token's flag is down: the pair reads no weight
 
 
 def routed_rows_problem(*, routing: Routing, num_shared: int) -> str | None:
@@ -156,8 +156,8 @@ def routed_expert_rows_mlp(
     route_ops, route_shapes = routing_operands(x, gate, bias, routing=routing,
                                                blocks=route_blocks)
     tokens, hidden = x.shape
-    stacks = check_operands(x, jnp.zeros((tokens, routing.top_k), jnp.int32), w1, w3, w2,
-                            shared, live)
+    stacks = check_operands(x, jax.ShapeDtypeStruct((tokens, routing.top_k), jnp.int32), w1,
+                            w3, w2, shared, live)
     problem = (routed_rows_problem(routing=routing, num_shared=shared[0].shape[0])
                or expert_rows_problem(hidden=hidden, intermediate=w1.shape[2], dtype=x.dtype,
                                       blocks=blocks))

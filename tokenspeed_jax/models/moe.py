@@ -54,6 +54,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from tokenspeed_jax import parallel
 from tokenspeed_jax.kernels.expert_rows import (
+    NO_EXPERT,
     ExpertRowsKernel,
     Stack,
     apply_expert_rows,
@@ -166,7 +167,6 @@ def _combined(weights: jax.Array, out: jax.Array, dtype: Any) -> jax.Array:
     return _weighted_sum(weights, out[:, :-1]).astype(dtype) + out[:, -1]
 
 
-NO_EXPERT = -1  # an expert id no device holds: the pair is computed by neither path
 
 
 class KimiMoE(nnx.Module):
