@@ -17,8 +17,11 @@ import pytest
 from mla_checks import PAGE, RANK, ROPE, SCALE, WIDTH
 
 from tokenspeed_jax.kernels.mla_decode import (
+    MANY_REQUEST_BLOCKS,
+    MANY_REQUESTS,
     MLADecodeBlocks,
     mla_decode,
+    mla_decode_blocks,
     mla_decode_problem,
     mla_decode_reference,
     mla_split_count,
@@ -27,6 +30,7 @@ from tokenspeed_jax.models.mla import paged_latent_decode, write_latent
 
 NUM_PAGES = 40
 BLOCKS = MLADecodeBlocks(pages_per_block=4)  # 16-key blocks
+KEYS_AS_ROWS = MLADecodeBlocks(block_h=32, pages_per_block=2, keys_as_rows=True)  # 8-key blocks
 # Per batch size, the positions: inside a page, on a page's last (19) and first (4, 8, 16) row,
 # 0 (the new row is the whole context), padding (-1).
 POSITIONS = {1: [13], 4: [9, 19, 0, -1], 7: [4, 8, 23, 3, -1, 16, 1]}
@@ -55,16 +59,19 @@ def run_kernel(inputs, splits, blocks=BLOCKS):
                       splits=splits, blocks=blocks, interpret=True)
 
 
+@pytest.mark.parametrize("blocks", [BLOCKS, KEYS_AS_ROWS], ids=["heads-as-rows", "keys-as-rows"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("batch,num_heads", [(1, 16), (4, 40), (7, 8)])
-def test_kernel_writes_the_row_and_attends_like_the_hand_computation(batch, num_heads, splits):
+def test_kernel_writes_the_row_and_attends_like_the_hand_computation(batch, num_heads, splits,
+                                                                      blocks):
     """The pages equal the hand-written ones bit for bit (the row in its slot, nothing else
     changed); the output matches the hand attention; padding rows get zeros. Three splits of
-    contexts of one or two key blocks leave some splits empty; 40 heads make three head blocks,
-    the last one padded."""
+    contexts of one or two key blocks leave some splits empty; 40 heads make three head blocks
+    of 16 (two of 32), the last one padded. Both layouts of the dots: keys-as-rows carries each
+    block's loads into the next step, so a split's last and empty splits' loads are clamped."""
     inputs = decode_inputs(np.random.default_rng(batch * 10 + splits), batch, num_heads)
     want_out, want_pages = expected(*inputs)
-    out, pages = run_kernel(inputs, splits)
+    out, pages = run_kernel(inputs, splits, blocks)
     np.testing.assert_array_equal(np.asarray(pages), want_pages)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     padding = inputs[-1] < 0
@@ -90,12 +97,13 @@ def test_reference_and_model_route_match_the_hand_computation(batch):
     np.testing.assert_allclose(np.asarray(model_out), want_out, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("blocks", [BLOCKS, KEYS_AS_ROWS], ids=["heads-as-rows", "keys-as-rows"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_kernel_in_bfloat16(splits):
+def test_kernel_in_bfloat16(splits, blocks):
     """bf16 query, row and cache: the written row exactly the new row, every other slot
     unchanged, the output within bf16 rounding of the float64 attention over the same values."""
     inputs = decode_inputs(np.random.default_rng(5 + splits), 4, 40, jnp.bfloat16)
-    out, pages = run_kernel(inputs, splits)
+    out, pages = run_kernel(inputs, splits, blocks)
     assert out.dtype == pages.dtype == jnp.bfloat16
     q, latent, pages_in, tables, positions = inputs
     want_out, want_pages = expected(*(np.asarray(x, np.float32) for x in (q, latent, pages_in)),
@@ -139,12 +147,27 @@ def test_split_count_fills_the_gpu_at_small_batches():
     assert mla_split_count(2, 128, MLADecodeBlocks(block_h=32)) == 32  # 8 programs: 32 fill
 
 
+def test_many_requests_over_a_2_byte_cache_take_the_keys_as_rows_form():
+    """``mla_decode_blocks``: the default knobs below ``MANY_REQUESTS`` or over fp32, the
+    keys-as-rows knobs from it on over bf16; at Kimi-Linear's 32 heads a 64-request batch is 64
+    programs of all 32 heads, so 2 splits make the 128 it fills."""
+    bf16, default = jnp.bfloat16, MLADecodeBlocks()
+    assert mla_decode_blocks(1, bf16) == mla_decode_blocks(MANY_REQUESTS - 1, bf16) == default
+    assert mla_decode_blocks(MANY_REQUESTS, bf16) == mla_decode_blocks(64, jnp.float16) == (
+        MANY_REQUEST_BLOCKS)
+    assert mla_decode_blocks(64, jnp.float32) == default
+    assert MANY_REQUEST_BLOCKS.keys_as_rows and not default.keys_as_rows
+    assert mla_split_count(64, 32, mla_decode_blocks(64, bf16)) == 2
+    assert mla_split_count(16, 32, mla_decode_blocks(16, bf16)) == 8
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("num_heads,splits,blocks", [
     (32, 1, MLADecodeBlocks()), (32, 16, MLADecodeBlocks()), (128, 4, MLADecodeBlocks()),
     (8, 16, MLADecodeBlocks()),  # fewer heads than a block (a tensor-parallel shard)
     (32, 16, MLADecodeBlocks(block_h=32, num_warps=8)),
     (32, 16, MLADecodeBlocks(pages_per_block=4)), (32, 16, MLADecodeBlocks(pages_per_block=1)),
+    (32, 2, MANY_REQUEST_BLOCKS), (128, 1, MANY_REQUEST_BLOCKS),
 ])
 def test_lowers_to_triton_at_the_model_shape(num_heads, splits, blocks, dtype):
     """The kernel for the GPU at R = 512, r = 64, 16-token pages: Pallas lowers it to Triton IR

@@ -17,7 +17,13 @@ import mla_checks as hand
 import numpy as np
 import pytest
 
-from tokenspeed_jax.kernels.mla_decode import mla_decode, mla_decode_reference, mla_split_count
+from tokenspeed_jax.kernels.mla_decode import (
+    MANY_REQUEST_BLOCKS,
+    MLADecodeBlocks,
+    mla_decode,
+    mla_decode_reference,
+    mla_split_count,
+)
 from tokenspeed_jax.kernels.mla_prefill import (
     mla_prefill,
     mla_prefill_blocks,
@@ -38,11 +44,14 @@ def tables_for(rng, lengths, width):
     return hand.distinct_tables(rng, lengths, num_pages=NUM_PAGES, page_size=PAGE, width=width)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,blocks", [
+    (jnp.float32, MLADecodeBlocks()), (jnp.bfloat16, MLADecodeBlocks()),
+    (jnp.bfloat16, MANY_REQUEST_BLOCKS)], ids=["fp32", "bf16", "bf16-keys-as-rows"])
 @pytest.mark.parametrize("num_heads", [32, 128])
-def test_decode_kernel_matches_reference(num_heads, dtype):
+def test_decode_kernel_matches_reference(num_heads, dtype, blocks):
     """Positions 0, mid-page, on a page's last row and after 2000 tokens, and padding; unsplit
-    and with the split count the batch size gets."""
+    and with the split count the batch size gets; both layouts of the dots at the knobs
+    ``mla_decode_blocks`` gives them (keys-as-rows only over 2-byte caches)."""
     rng = np.random.default_rng(num_heads)
     positions = jnp.asarray([0, 700, 1023, 2050, -1], jnp.int32)
     tables = jnp.asarray(tables_for(rng, [1, 701, 1024, 2051, 0], 160))
@@ -50,9 +59,10 @@ def test_decode_kernel_matches_reference(num_heads, dtype):
         rng, dtype, (5, num_heads, RANK + ROPE), (5, RANK + ROPE), (NUM_PAGES, PAGE, RANK + ROPE)))
     want, want_pages = mla_decode_reference(q, latent, pages, tables, positions, scale=SCALE,
                                             kv_lora_rank=RANK)
-    for splits in sorted({1, mla_split_count(5, num_heads)}):
+    for splits in sorted({1, mla_split_count(5, num_heads, blocks)}):
         out, got_pages = mla_decode(q, latent, pages, tables, positions, scale=SCALE,
-                                    kv_lora_rank=RANK, splits=splits, interpret=False)
+                                    kv_lora_rank=RANK, splits=splits, blocks=blocks,
+                                    interpret=False)
         assert np.array_equal(np.asarray(got_pages), np.asarray(want_pages)), splits
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                    rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])

@@ -14,8 +14,8 @@ Invariants:
   With a ``mesh`` the kernels run per shard under ``jax.shard_map`` on the shard's own heads, and
   every device writes the same rows into its replica, so there is no collective. The references
   need no mesh: XLA partitions them.
-* The decode split count is fixed per compiled shape: ``mla_split_count`` of the batch size and
-  the shard's head count.
+* The decode kernel's knobs and split count are fixed per compiled shape: ``mla_decode_blocks``
+  of the batch size, ``mla_split_count`` of it and the shard's head count.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from tokenspeed_jax.kernels.mla_decode import (
     MLADecodeBlocks,
     mla_decode,
+    mla_decode_blocks,
     mla_decode_problem,
     mla_decode_reference,
     mla_split_count,
@@ -56,7 +57,7 @@ class MLAKernel:
     """How MLA attention runs: the backend, both kernels' knobs, interpretation, the mesh."""
 
     backend: str = REFERENCE
-    decode: MLADecodeBlocks = dataclasses.field(default_factory=MLADecodeBlocks)
+    decode: MLADecodeBlocks | None = None  # None: ``mla_decode_blocks`` of each batch size
     prefill: MLAPrefillBlocks = dataclasses.field(default_factory=MLAPrefillBlocks)
     interpret: bool = False  # run the Pallas kernels in the interpreter (tests on the CPU)
     mesh: Mesh | None = None  # run the Pallas kernels per shard of the query heads over this mesh
@@ -101,9 +102,10 @@ def mla_decode_step(
                                     kv_lora_rank=kv_lora_rank)
 
     def op(q, latent, pages, page_tables, positions):  # a shard's heads, with a mesh
-        splits = mla_split_count(q.shape[0], q.shape[1], kernel.decode)
+        blocks = kernel.decode or mla_decode_blocks(q.shape[0], pages.dtype)
+        splits = mla_split_count(q.shape[0], q.shape[1], blocks)
         return mla_decode(q, latent, pages, page_tables, positions, scale=scale,
-                          kv_lora_rank=kv_lora_rank, splits=splits, blocks=kernel.decode,
+                          kv_lora_rank=kv_lora_rank, splits=splits, blocks=blocks,
                           interpret=kernel.interpret)
 
     if kernel.mesh is not None:

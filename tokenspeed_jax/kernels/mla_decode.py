@@ -20,6 +20,11 @@ Invariants:
   so all heads of a block share one read of the latent rows. A head count that ``block_h`` does
   not divide repeats the last head in the last block (the repeated rows compute and store
   identical values at identical addresses). Only head block 0 of split 0 writes the row.
+* Two layouts of the same arithmetic (``MLADecodeBlocks.keys_as_rows``): the heads are the dots'
+  rows (scores ``[block_h, block_k]``), or the keys are (scores ``[block_k, block_h]``, the
+  output accumulated as ``[R, block_h]`` and transposed once at the end, and each key block's
+  loads issued before the previous block's arithmetic). ``mla_decode_blocks`` picks one per
+  batch size.
 * A latent row is read as its two parts, R and r columns wide, never as one ``R + r`` block:
   Triton loads whole power-of-2 blocks, and ``R + r`` (576 in Kimi-Linear and DeepSeek-V3) is
   not one. The score block is the sum of the two dots.
@@ -47,6 +52,7 @@ from tokenspeed_jax.kernels.kernel_math import (
     LOG2E,
     MASK_VALUE,
     dot_nt,
+    dot_tn,
     is_power_of_2,
     online_softmax_update,
 )
@@ -80,6 +86,8 @@ class MLADecodeBlocks:
     # context 1024, 32 splits), 22.7 against 33.0 (2 rows, 8192), 535 against 872 (64 rows,
     # 8192, 4 splits) with two stages.
     num_stages: int = 1
+    # The keys as the dots' rows (module docstring), with block_h the dots' columns.
+    keys_as_rows: bool = False
 
     def __post_init__(self) -> None:
         if not is_power_of_2(self.block_h) or self.block_h < MIN_DOT_DIM:
@@ -104,6 +112,7 @@ def _mla_decode_kernel(
     block_h: int,
     pages_per_block: int,
     splits: int,
+    keys_as_rows: bool,
     precision,
 ):
     *result_refs, pages_out_ref = refs
@@ -129,13 +138,19 @@ def _mla_decode_kernel(
             jnp.where(takes_new, new_score * (scale * LOG2E), -jnp.inf),
             jnp.where(takes_new, jnp.ones((block_h,), f32), 0.0))
 
-    key_block = functools.partial(
-        latent_softmax_step, q_lat, q_rope, pages_ref, page_tables_ref, request, cached,
-        scale=scale, pages_per_block=pages_per_block, precision=precision)
     num_blocks = pl.cdiv(cached, block_k)
     per_split = pl.cdiv(num_blocks, splits)
     first = split * per_split
-    carry = lax.fori_loop(first, jnp.minimum(first + per_split, num_blocks), key_block, init)
+    last = jnp.minimum(first + per_split, num_blocks)
+    if keys_as_rows:
+        carry = _keys_as_rows_attention(q_lat, q_rope, pages_ref, page_tables_ref, request,
+                                        cached, first, last, init, scale=scale,
+                                        pages_per_block=pages_per_block, precision=precision)
+    else:
+        key_block = functools.partial(
+            latent_softmax_step, q_lat, q_rope, pages_ref, page_tables_ref, request, cached,
+            scale=scale, pages_per_block=pages_per_block, precision=precision)
+        carry = lax.fori_loop(first, last, key_block, init)
 
     @pl.when(takes_new & (head_block == 0))
     def _():
@@ -162,6 +177,46 @@ def latent_softmax_step(q_lat, q_rope, pages_ref, page_tables_ref, table_row, li
     key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
     scores = jnp.where(key_pos < limit, scores * (scale * LOG2E), MASK_VALUE)
     return online_softmax_update(scores, c, carry, precision)
+
+
+def _keys_as_rows_attention(q_lat, q_rope, pages_ref, page_tables_ref, request, cached, first,
+                            last, init, *, scale: float, pages_per_block: int, precision):
+    """Key blocks ``first``..``last - 1`` of a request's cached rows with the keys as the dots'
+    rows: scores ``[block_k, rows]``, the output summed as ``[R, rows]``. Block ``i + 1``'s rows
+    are loaded before block ``i``'s arithmetic (carried), so their reads overlap it. Loads past
+    the request's last block read that block again, and a request with no cached row reads page
+    0; neither is folded in. ``init`` and the result are ``latent_softmax_step``'s carry."""
+    rank, rope_dim = q_lat.shape[1], q_rope.shape[1]
+    block_k = pages_per_block * pages_ref.shape[1]
+    final = jnp.maximum(pl.cdiv(cached, block_k) - 1, 0)
+
+    def load(index):
+        index = jnp.minimum(index, final)
+        pages = page_tables_ref[request, pl.ds(index * pages_per_block, pages_per_block)]
+        pages = jnp.where(cached > 0, pages, 0)
+        return (pages_ref[pages, :, pl.ds(0, rank)].reshape(block_k, rank),
+                pages_ref[pages, :, pl.ds(rank, rope_dim)].reshape(block_k, rope_dim))
+
+    def fold(index, c, k_rope, acc, col_max, col_sum):
+        scores = dot_nt(c, q_lat, precision) + dot_nt(k_rope, q_rope, precision)
+        key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, scores.shape, 0)
+        scores = jnp.where(key_pos < cached, scores * (scale * LOG2E), MASK_VALUE)
+        new_max = jnp.maximum(col_max, scores.max(axis=0))
+        correction = jnp.exp2(col_max - new_max)
+        weights = jnp.exp2(scores - new_max[None, :])
+        col_sum = col_sum * correction + weights.sum(axis=0)
+        acc = acc * correction[None, :] + dot_tn(c, weights.astype(c.dtype), precision)
+        return acc, new_max, col_sum
+
+    def step(index, carry):
+        *state, c, k_rope = carry
+        following = load(index + 1)
+        return (*fold(index, c, k_rope, *state), *following)
+
+    acc, row_max, row_sum = init
+    acc, row_max, row_sum, _, _ = lax.fori_loop(first, last, step,
+                                                (acc.T, row_max, row_sum, *load(first)))
+    return acc.T, row_max, row_sum
 
 
 def _check_shapes(q, latent, pages, page_tables, positions, kv_lora_rank: int) -> None:
@@ -213,7 +268,7 @@ def mla_decode(
                    *[jax.ShapeDtypeStruct((splits, batch, num_heads), jnp.float32)] * 2]
     kernel = functools.partial(_mla_decode_kernel, scale=scale, rank=kv_lora_rank,
                                block_h=blocks.block_h, pages_per_block=per_block, splits=splits,
-                               precision=precision)
+                               keys_as_rows=blocks.keys_as_rows, precision=precision)
     whole = pl.BlockSpec()
     *out, pages = pl.pallas_call(
         kernel,
@@ -230,6 +285,26 @@ def mla_decode(
     attention = (out[0] if splits == 1
                  else merge_split_results(*out, interpret=interpret).astype(q.dtype))
     return attention, pages
+
+
+# The keys-as-rows form for this many requests or more, over a 2-byte cache
+# (``mla_decode_blocks``). On an H200 at Kimi-Linear's shape, the kernel alone with the pages
+# donated: at context 8192, 16 rows 133 against 149 us with the default knobs, 32 rows 227
+# against 275, 64 rows 413 against 535; 8 rows even (83 / 81); at 1024, 64 rows 66 against 73
+# with 2 splits (128 programs); 2-16 rows lose (14 against 6 us at 2). Over fp32 it keeps the
+# default: its key block of fp32 latent rows does not fit the H200's shared memory.
+MANY_REQUESTS = 16
+MANY_REQUEST_BLOCKS = MLADecodeBlocks(block_h=32, pages_per_block=8, num_warps=8,
+                                      fill_programs=128, keys_as_rows=True)
+
+
+def mla_decode_blocks(batch: int, dtype: jnp.dtype) -> MLADecodeBlocks:
+    """The decode kernel's knobs for a batch of ``batch`` requests over a ``dtype`` cache: the
+    default (heads as the dots' rows), or ``MANY_REQUEST_BLOCKS`` from ``MANY_REQUESTS`` on
+    over a 2-byte cache."""
+    if batch >= MANY_REQUESTS and jnp.dtype(dtype).itemsize == 2:
+        return MANY_REQUEST_BLOCKS
+    return MLADecodeBlocks()
 
 
 def mla_split_count(batch: int, num_heads: int,
