@@ -15,10 +15,11 @@ WORKER_DEVICES = 4
 
 def run_on_cpu_devices(script: str, *args: str, timeout: int = 600) -> dict:
     """Run ``script`` (a test file that is its own worker) in a process that sees
-    ``WORKER_DEVICES`` CPU devices (set before jax is imported there); its last stdout line,
-    parsed as JSON."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={WORKER_DEVICES}",
-           "JAX_PLATFORMS": "cpu"}
+    ``WORKER_DEVICES`` CPU devices (set before jax is imported there, beside this process's
+    ``XLA_FLAGS``); its last stdout line, parsed as JSON."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} " \
+            f"--xla_force_host_platform_device_count={WORKER_DEVICES}"
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, script, *args], check=False, env=env,
                           capture_output=True, text=True, timeout=timeout,
                           cwd=Path(script).parent)

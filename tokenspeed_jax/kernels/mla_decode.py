@@ -289,10 +289,13 @@ def mla_decode(
 
 # The keys-as-rows form for this many requests or more, over a 2-byte cache
 # (``mla_decode_blocks``). On an H200 at Kimi-Linear's shape, the kernel alone with the pages
-# donated: at context 8192, 16 rows 133 against 149 us with the default knobs, 32 rows 227
-# against 275, 64 rows 413 against 535; 8 rows even (83 / 81); at 1024, 64 rows 66 against 73
-# with 2 splits (128 programs); 2-16 rows lose (14 against 6 us at 2). Over fp32 it keeps the
-# default: its key block of fp32 latent rows does not fit the H200's shared memory.
+# donated and 256-program splits for both forms: at context 8192, 16 rows 133 against 149 us
+# with the default knobs, 32 rows 227 against 275, 64 rows 413 against 535, 8 rows even (83 /
+# 81); at context 1024 it loses (64 rows 83 against 80, 16 rows 32 against 24, 4 rows 23
+# against 14). It fills 128 programs: 2 splits at 64 rows, with which the whole Kimi-Linear
+# step (7 MLA layers) at 64 requests took 28.60 against 29.62 ms at 8192 and 26.93 against
+# 26.85 at 1024. Over fp32 it keeps the default: its 128-key block of fp32 latent rows asks for
+# 360 KB of shared memory, the H200 has 227 KB.
 MANY_REQUESTS = 16
 MANY_REQUEST_BLOCKS = MLADecodeBlocks(block_h=32, pages_per_block=8, num_warps=8,
                                       fill_programs=128, keys_as_rows=True)
