@@ -18,6 +18,7 @@ from mla_checks import PAGE, RANK, ROPE, SCALE, WIDTH
 
 from tokenspeed_jax.kernels.mla_decode import (
     MANY_REQUEST_BLOCKS,
+    MANY_REQUEST_KEYS,
     MANY_REQUESTS,
     MLADecodeBlocks,
     mla_decode,
@@ -148,17 +149,23 @@ def test_split_count_fills_the_gpu_at_small_batches():
 
 
 def test_many_requests_over_a_2_byte_cache_take_the_keys_as_rows_form():
-    """``mla_decode_blocks``: the default knobs below ``MANY_REQUESTS`` or over fp32, the
-    keys-as-rows knobs from it on over bf16; at Kimi-Linear's 32 heads a 64-request batch is 64
-    programs of all 32 heads, so 2 splits make the 128 it fills."""
+    """``mla_decode_blocks``: the default knobs below ``MANY_REQUESTS``, over fp32 or over pages
+    longer than a keys-as-rows block; the keys-as-rows knobs from it on over bf16, with key
+    blocks of ``MANY_REQUEST_KEYS`` rows whatever the page size. At Kimi-Linear's 32 heads a
+    64-request batch is 64 programs of all 32 heads, so 2 splits make the 128 it fills."""
     bf16, default = jnp.bfloat16, MLADecodeBlocks()
-    assert mla_decode_blocks(1, bf16) == mla_decode_blocks(MANY_REQUESTS - 1, bf16) == default
-    assert mla_decode_blocks(MANY_REQUESTS, bf16) == mla_decode_blocks(64, jnp.float16) == (
+    assert mla_decode_blocks(1, bf16, 16) == mla_decode_blocks(MANY_REQUESTS - 1, bf16, 16) == (
+        default)
+    assert mla_decode_blocks(MANY_REQUESTS, bf16, 16) == mla_decode_blocks(64, jnp.float16, 16) == (
         MANY_REQUEST_BLOCKS)
-    assert mla_decode_blocks(64, jnp.float32) == default
-    assert MANY_REQUEST_BLOCKS.keys_as_rows and not default.keys_as_rows
-    assert mla_split_count(64, 32, mla_decode_blocks(64, bf16)) == 2
-    assert mla_split_count(16, 32, mla_decode_blocks(16, bf16)) == 8
+    assert mla_decode_blocks(64, jnp.float32, 16) == default
+    assert mla_decode_blocks(64, bf16, 2 * MANY_REQUEST_KEYS) == default
+    for page_size in (16, 32, MANY_REQUEST_KEYS):
+        blocks = mla_decode_blocks(64, bf16, page_size)
+        assert blocks.keys_as_rows and blocks.pages_per_block * page_size == MANY_REQUEST_KEYS
+    assert not default.keys_as_rows
+    assert mla_split_count(64, 32, mla_decode_blocks(64, bf16, 16)) == 2
+    assert mla_split_count(16, 32, mla_decode_blocks(16, bf16, 16)) == 8
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])

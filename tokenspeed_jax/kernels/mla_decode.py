@@ -295,18 +295,23 @@ def mla_decode(
 # against 14). It fills 128 programs: 2 splits at 64 rows, with which the whole Kimi-Linear
 # step (7 MLA layers) at 64 requests took 28.60 against 29.62 ms at 8192 and 26.93 against
 # 26.85 at 1024. Over fp32 it keeps the default: its 128-key block of fp32 latent rows asks for
-# 360 KB of shared memory, the H200 has 227 KB.
+# 360 KB of shared memory, the H200 has 227 KB. Its key blocks are 128 rows whatever the page
+# size (8 pages of 16 rows as measured, 4 of 32, ...; pages of more rows keep the default).
 MANY_REQUESTS = 16
+MANY_REQUEST_KEYS = 128
 MANY_REQUEST_BLOCKS = MLADecodeBlocks(block_h=32, pages_per_block=8, num_warps=8,
-                                      fill_programs=128, keys_as_rows=True)
+                                      fill_programs=128, keys_as_rows=True)  # 16-row pages
 
 
-def mla_decode_blocks(batch: int, dtype: jnp.dtype) -> MLADecodeBlocks:
-    """The decode kernel's knobs for a batch of ``batch`` requests over a ``dtype`` cache: the
-    default (heads as the dots' rows), or ``MANY_REQUEST_BLOCKS`` from ``MANY_REQUESTS`` on
-    over a 2-byte cache."""
-    if batch >= MANY_REQUESTS and jnp.dtype(dtype).itemsize == 2:
-        return MANY_REQUEST_BLOCKS
+def mla_decode_blocks(batch: int, dtype: jnp.dtype, page_size: int) -> MLADecodeBlocks:
+    """The decode kernel's knobs for a batch of ``batch`` requests over a ``dtype`` cache of
+    ``page_size``-row pages: the default (heads as the dots' rows), or from ``MANY_REQUESTS``
+    on, over a 2-byte cache with pages of at most ``MANY_REQUEST_KEYS`` rows,
+    ``MANY_REQUEST_BLOCKS`` with key blocks of ``MANY_REQUEST_KEYS`` rows."""
+    if (batch >= MANY_REQUESTS and jnp.dtype(dtype).itemsize == 2
+            and page_size <= MANY_REQUEST_KEYS):
+        return dataclasses.replace(MANY_REQUEST_BLOCKS,
+                                   pages_per_block=MANY_REQUEST_KEYS // page_size)
     return MLADecodeBlocks()
 
 
