@@ -19,8 +19,10 @@ import pytest
 
 from tokenspeed_jax.kernels.mla_decode import (
     MANY_REQUEST_BLOCKS,
+    MANY_REQUESTS,
     MLADecodeBlocks,
     mla_decode,
+    mla_decode_blocks,
     mla_decode_reference,
     mla_split_count,
 )
@@ -67,6 +69,36 @@ def test_decode_kernel_matches_reference(num_heads, dtype, blocks):
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                    rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
         assert not np.asarray(out)[-1].any()
+
+
+@pytest.mark.parametrize("page_size", [32, 128])
+def test_many_requests_over_longer_pages_take_128_row_key_blocks(page_size):
+    """``mla_decode_blocks`` for ``MANY_REQUESTS`` requests over bf16 pages of 32 and 128 rows:
+    the keys-as-rows kernel with key blocks of 4 pages and of 1, at its split count, against
+    the reference; positions 0 and up to 600, and padding."""
+    rng = np.random.default_rng(page_size)
+    batch, num_heads = MANY_REQUESTS, 32
+    positions = rng.integers(1, 600, batch).astype(np.int32)
+    positions[0], positions[-1] = 0, -1
+    width = -(-600 // page_size)
+    num_pages = batch * width + 1
+    tables = jnp.asarray(hand.distinct_tables(rng, np.maximum(positions + 1, 0),
+                                              num_pages=num_pages, page_size=page_size,
+                                              width=width))
+    q, latent, pages = map(jnp.asarray, hand.random_arrays(
+        rng, jnp.bfloat16, (batch, num_heads, RANK + ROPE), (batch, RANK + ROPE),
+        (num_pages, page_size, RANK + ROPE)))
+    blocks = mla_decode_blocks(batch, jnp.bfloat16, page_size)
+    assert blocks.keys_as_rows and blocks.pages_per_block * page_size == 128
+    want, want_pages = mla_decode_reference(q, latent, pages, tables, jnp.asarray(positions),
+                                            scale=SCALE, kv_lora_rank=RANK)
+    out, got_pages = mla_decode(q, latent, pages, tables, jnp.asarray(positions), scale=SCALE,
+                                kv_lora_rank=RANK, splits=mla_split_count(batch, num_heads, blocks),
+                                blocks=blocks, interpret=False)
+    assert np.array_equal(np.asarray(got_pages), np.asarray(want_pages))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                               rtol=TOLERANCE[jnp.bfloat16], atol=TOLERANCE[jnp.bfloat16])
+    assert not np.asarray(out)[-1].any()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
