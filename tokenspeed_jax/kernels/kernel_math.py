@@ -84,14 +84,17 @@ def online_softmax_step(q, k_pages_ref, v_pages_ref, pages, visible, carry, *, s
     return online_softmax_update(scores, v, carry, precision)
 
 
-def online_softmax_update(scores, v, carry, precision):
+def online_softmax_update(scores, v, carry, precision, *, keys_axis: int = 1):
     """Fold one key block into the running flash-attention state: ``scores [rows, block_k]``
     already scaled to base 2 and masked (``MASK_VALUE``), values ``v [block_k, Dv]``, ``carry``
-    as in ``online_softmax_step``."""
+    as in ``online_softmax_step``. With ``keys_axis=0`` the keys are the rows instead: scores
+    ``[block_k, rows]`` and the unnormalised output ``[Dv, rows]``."""
     acc, row_max, row_sum = carry
-    new_max = jnp.maximum(row_max, scores.max(axis=1))
+    new_max = jnp.maximum(row_max, scores.max(axis=keys_axis))
     correction = jnp.exp2(row_max - new_max)
-    weights = jnp.exp2(scores - new_max[:, None])
-    row_sum = row_sum * correction + weights.sum(axis=1)
-    acc = acc * correction[:, None] + dot(weights.astype(v.dtype), v, precision)
+    weights = jnp.exp2(scores - jnp.expand_dims(new_max, keys_axis))
+    row_sum = row_sum * correction + weights.sum(axis=keys_axis)
+    acc = acc * jnp.expand_dims(correction, keys_axis) + (
+        dot(weights.astype(v.dtype), v, precision) if keys_axis == 1
+        else dot_tn(v, weights.astype(v.dtype), precision))
     return acc, new_max, row_sum

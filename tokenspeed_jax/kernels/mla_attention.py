@@ -102,7 +102,8 @@ def mla_decode_step(
                                     kv_lora_rank=kv_lora_rank)
 
     def op(q, latent, pages, page_tables, positions):  # a shard's heads, with a mesh
-        blocks = kernel.decode or mla_decode_blocks(q.shape[0], pages.dtype, pages.shape[1])
+        blocks = (mla_decode_blocks(q.shape[0], pages.dtype, pages.shape[1])
+                  if kernel.decode is None else kernel.decode)
         splits = mla_split_count(q.shape[0], q.shape[1], blocks)
         return mla_decode(q, latent, pages, page_tables, positions, scale=scale,
                           kv_lora_rank=kv_lora_rank, splits=splits, blocks=blocks,

@@ -52,7 +52,6 @@ from tokenspeed_jax.kernels.kernel_math import (
     LOG2E,
     MASK_VALUE,
     dot_nt,
-    dot_tn,
     is_power_of_2,
     online_softmax_update,
 )
@@ -144,7 +143,7 @@ def _mla_decode_kernel(
     last = jnp.minimum(first + per_split, num_blocks)
     if keys_as_rows:
         carry = _keys_as_rows_attention(q_lat, q_rope, pages_ref, page_tables_ref, request,
-                                        cached, first, last, init, scale=scale,
+                                        cached, num_blocks, first, last, init, scale=scale,
                                         pages_per_block=pages_per_block, precision=precision)
     else:
         key_block = functools.partial(
@@ -179,39 +178,34 @@ def latent_softmax_step(q_lat, q_rope, pages_ref, page_tables_ref, table_row, li
     return online_softmax_update(scores, c, carry, precision)
 
 
-def _keys_as_rows_attention(q_lat, q_rope, pages_ref, page_tables_ref, request, cached, first,
-                            last, init, *, scale: float, pages_per_block: int, precision):
-    """Key blocks ``first``..``last - 1`` of a request's cached rows with the keys as the dots'
-    rows: scores ``[block_k, rows]``, the output summed as ``[R, rows]``. Block ``i + 1``'s rows
-    are loaded before block ``i``'s arithmetic (carried), so their reads overlap it. Loads past
-    the request's last block read that block again, and a request with no cached row reads page
-    0; neither is folded in. ``init`` and the result are ``latent_softmax_step``'s carry."""
+def _keys_as_rows_attention(q_lat, q_rope, pages_ref, page_tables_ref, request, cached,
+                            num_blocks, first, last, init, *, scale: float, pages_per_block: int,
+                            precision):
+    """Key blocks ``first``..``last - 1`` of the request's ``num_blocks`` (its ``cached`` rows)
+    with the keys as the dots' rows: scores ``[block_k, rows]``, the output summed as ``[R,
+    rows]``. Block ``i + 1``'s rows are loaded before block ``i``'s arithmetic (carried), so
+    their reads overlap it. Loads past the request's last block read that block again, and a
+    request with no cached row reads page 0; neither is folded in. ``init`` and the result are
+    ``latent_softmax_step``'s carry."""
     rank, rope_dim = q_lat.shape[1], q_rope.shape[1]
     block_k = pages_per_block * pages_ref.shape[1]
-    final = jnp.maximum(pl.cdiv(cached, block_k) - 1, 0)
+    final = jnp.maximum(num_blocks - 1, 0)
 
     def load(index):
         index = jnp.minimum(index, final)
         pages = page_tables_ref[request, pl.ds(index * pages_per_block, pages_per_block)]
-        pages = jnp.where(cached > 0, pages, 0)
+        pages = jnp.where(num_blocks > 0, pages, 0)
         return (pages_ref[pages, :, pl.ds(0, rank)].reshape(block_k, rank),
                 pages_ref[pages, :, pl.ds(rank, rope_dim)].reshape(block_k, rope_dim))
-
-    def fold(index, c, k_rope, acc, col_max, col_sum):
-        scores = dot_nt(c, q_lat, precision) + dot_nt(k_rope, q_rope, precision)
-        key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, scores.shape, 0)
-        scores = jnp.where(key_pos < cached, scores * (scale * LOG2E), MASK_VALUE)
-        new_max = jnp.maximum(col_max, scores.max(axis=0))
-        correction = jnp.exp2(col_max - new_max)
-        weights = jnp.exp2(scores - new_max[None, :])
-        col_sum = col_sum * correction + weights.sum(axis=0)
-        acc = acc * correction[None, :] + dot_tn(c, weights.astype(c.dtype), precision)
-        return acc, new_max, col_sum
 
     def step(index, carry):
         *state, c, k_rope = carry
         following = load(index + 1)
-        return (*fold(index, c, k_rope, *state), *following)
+        scores = dot_nt(c, q_lat, precision) + dot_nt(k_rope, q_rope, precision)
+        key_pos = index * block_k + lax.broadcasted_iota(jnp.int32, scores.shape, 0)
+        scores = jnp.where(key_pos < cached, scores * (scale * LOG2E), MASK_VALUE)
+        state = online_softmax_update(scores, c, state, precision, keys_axis=0)
+        return (*state, *following)
 
     acc, row_max, row_sum = init
     acc, row_max, row_sum, _, _ = lax.fori_loop(first, last, step,
