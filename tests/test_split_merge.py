@@ -58,15 +58,36 @@ def test_both_merges_meet_the_contract(splits):
 
 def test_interpreted_kernels_keep_the_plain_merge():
     operands = tuple(map(jnp.asarray, states(3)))
-    np.testing.assert_array_equal(np.asarray(merge_split_results(*operands, interpret=True)),
-                                  np.asarray(merge_splits(*operands)))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = merge_split_results(*operands, dtype=dtype, interpret=True)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(merge_splits(*operands).astype(dtype),
+                                                 np.float32))
 
 
+def test_the_kernel_rounds_its_float32_result_once_to_the_dtype():
+    """bf16 out: the float32 merge rounded to nearest even, element for element."""
+    operands = tuple(map(jnp.asarray, states(3)))
+    got = merge_splits_pallas(*operands, dtype=jnp.bfloat16, interpret=True)
+    want = merge_splits_pallas(*operands, interpret=True).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("splits, width", [(3, 512), (6, 128), (32, 512)])
-def test_lowers_to_one_triton_kernel(splits, width):
+def test_lowers_to_one_triton_kernel(splits, width, dtype):
+    """The bf16 result too: the rounding is inside the call, no conversion kernel after it."""
     spec = jax.ShapeDtypeStruct
     shapes = (spec((splits, 2, 32, width), jnp.float32), *[spec((splits, 2, 32), jnp.float32)] * 2)
-    assert triton_kernels(lambda *a: merge_split_results(*a, interpret=False), *shapes) == 1
+
+    def merge(*operands):
+        return merge_split_results(*operands, dtype=dtype, interpret=False)
+
+    assert triton_kernels(merge, *shapes) == 1
+    lowered = jax.jit(merge).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.convert" not in lowered
 
 
 def test_bad_shapes_raise():

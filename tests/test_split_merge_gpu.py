@@ -31,3 +31,6 @@ def test_split_merge_matches_reference(splits, heads, width):
     got = merge_splits_pallas(*operands, interpret=False)
     np.testing.assert_allclose(np.asarray(got), np.asarray(merge_splits(*operands)), rtol=1e-5,
                                atol=1e-6)
+    rounded = merge_splits_pallas(*operands, dtype=jnp.bfloat16, interpret=False)
+    np.testing.assert_array_equal(np.asarray(rounded, np.float32),
+                                  np.asarray(got.astype(jnp.bfloat16), np.float32))

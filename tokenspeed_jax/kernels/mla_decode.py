@@ -277,7 +277,7 @@ def mla_decode(
         name="mla_decode",
     )(positions.astype(jnp.int32), tables, q, latent, pages)
     attention = (out[0] if splits == 1
-                 else merge_split_results(*out, interpret=interpret).astype(q.dtype))
+                 else merge_split_results(*out, dtype=q.dtype, interpret=interpret))
     return attention, pages
 
 

@@ -5,7 +5,8 @@ A decode kernel that cuts each request's cached positions into ``S`` splits
 unnormalised sums ``acc f32[S, B, H, D]``, the base-2 running maxima ``row_max f32[S, B, H]``
 (``-inf`` where a split saw no position) and the sums of weights ``row_sum f32[S, B, H]``. The
 output ``[B, H, D]`` (float32) is ``sum_s w_s acc_s / sum_s w_s row_sum_s`` with ``w_s =
-exp2(row_max_s - max_s row_max_s)``; a row no split saw (padding) gets zeros.
+exp2(row_max_s - max_s row_max_s)``; a row no split saw (padding) gets zeros. The merges
+may write it rounded once to a narrower ``dtype`` (what the attention's caller takes).
 
 Two implementations of one function:
 
@@ -16,9 +17,10 @@ Two implementations of one function:
   row.
 
 ``merge_split_results`` is what ``mla_decode`` calls: the Pallas merge where the kernel is
-compiled, ``merge_splits`` where it is interpreted (the CPU), so the CPU's numerics are the plain
-merge's. The two sum the splits in different orders (float32). Measured on an H200 side by side
-in one process: the Pallas merge took 8-12 us off the whole Kimi-Linear batch-1 step (7 MLA
+compiled, writing the activations' dtype itself (no conversion kernel after it), and
+``merge_splits`` where it is interpreted (the CPU), so the CPU's numerics are the plain merge's.
+The two sum the splits in different orders (float32). Measured on an H200 side by side in one
+process: the Pallas merge took 8-12 us off the whole Kimi-Linear batch-1 step (7 MLA
 layers), and added 37 us to Llama-3-8B's (32 GQA layers of 32 heads of 128, 4 splits), where
 XLA's merge costs less; ``fused_paged_decode`` keeps ``merge_splits``.
 """
@@ -58,13 +60,15 @@ def _merge_kernel(acc_ref, max_ref, sum_ref, out_ref):
         weight = jnp.exp2(row_max - top)
         total = total + jnp.sum(weight * row_sum)
         out = out + jnp.sum(weight[:, None] * acc, axis=0)
-    out_ref[request, head, :] = out / jnp.where(total > 0, total, 1.0)
+    out_ref[request, head, :] = (out / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "num_warps", "interpret"))
 def merge_splits_pallas(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, *,
-                        num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
-    """``merge_splits`` as one Pallas call (module docstring)."""
+                        dtype: jnp.dtype = jnp.float32, num_warps: int = 4,
+                        interpret: bool | None = None) -> jax.Array:
+    """``merge_splits`` as one Pallas call (module docstring), its float32 result rounded once
+    to ``dtype``."""
     splits, batch, heads, width = acc.shape
     if row_max.shape != (splits, batch, heads) or row_sum.shape != row_max.shape:
         raise ValueError(f"acc {acc.shape}, row_max {row_max.shape} and row_sum "
@@ -77,7 +81,7 @@ def merge_splits_pallas(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, 
         grid=(batch, heads),
         in_specs=[whole] * 3,
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, width), dtype),
         compiler_params=pallas_backend.compiler_params(num_warps=num_warps, num_stages=1),
         interpret=pallas_backend.resolve_interpret(interpret),
         name="split_merge",
@@ -85,9 +89,9 @@ def merge_splits_pallas(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, 
 
 
 def merge_split_results(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, *,
-                        interpret: bool) -> jax.Array:
-    """The merge a decode kernel runs after its splits: the Pallas call where the kernel is
-    compiled, ``merge_splits`` where it is interpreted (module docstring)."""
+                        dtype: jnp.dtype, interpret: bool) -> jax.Array:
+    """The merge a decode kernel runs after its splits, in ``dtype``: the Pallas call where the
+    kernel is compiled, ``merge_splits`` where it is interpreted (module docstring)."""
     if interpret:
-        return merge_splits(acc, row_max, row_sum)
-    return merge_splits_pallas(acc, row_max, row_sum, interpret=False)
+        return merge_splits(acc, row_max, row_sum).astype(dtype)
+    return merge_splits_pallas(acc, row_max, row_sum, dtype=dtype, interpret=False)
